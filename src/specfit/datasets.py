@@ -1,0 +1,98 @@
+"""Benchmark and training text: read from a local data folder when there is one, else from the Hugging Face hub.
+
+The local folder is found, in order, at ``$SPECFIT_DATA_DIR``, ``./shared/data``, ``../shared/data`` (seen from the
+working directory) and ``../shared/data`` seen from the repository root. It holds ``gsm8k/{train,test}.jsonl``,
+``cnn_dailymail/test.jsonl`` and ``openstax/train.jsonl`` (see that folder's README for sources and licenses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Prompt formats shared by training, the demo, the benchmark and the regression.
+GSM8K_PROMPT = "Question: {question}\nAnswer:"
+CNN_PROMPT = "Article: {article}\nSummary:"
+EOS_TEXT = "<|endoftext|>"
+
+
+class DataUnavailable(RuntimeError):
+    """Neither the local data folder nor the hub could provide a dataset."""
+
+
+def data_dir() -> Path | None:
+    """The local data folder, or None when there is none."""
+    candidates = []
+    if os.environ.get("SPECFIT_DATA_DIR"):
+        candidates.append(Path(os.environ["SPECFIT_DATA_DIR"]))
+    candidates += [Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data", _REPO_ROOT.parent / "shared" / "data"]
+    for path in candidates:
+        if (path / "gsm8k" / "test.jsonl").is_file():
+            return path
+    return None
+
+
+def _read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+                if limit is not None and len(rows) >= limit:
+                    break
+    return rows
+
+
+def _from_hub(name: str, config: str | None, split: str, limit: int | None) -> list[dict]:
+    try:
+        from datasets import load_dataset
+
+        spec = split if limit is None else f"{split}[:{limit}]"
+        return [dict(r) for r in load_dataset(name, config, split=spec)]
+    except Exception as err:  # offline, no credentials, hub down: say what was tried
+        raise DataUnavailable(
+            f"no local data folder (set SPECFIT_DATA_DIR or place it at ../shared/data) and the hub dataset "
+            f"{name!r} could not be loaded: {type(err).__name__}: {err}"
+        ) from err
+
+
+def gsm8k(split: str = "test", limit: int | None = None) -> list[dict]:
+    """GSM8K rows with ``question`` and ``answer``, in file order (the paper's subset is the first 80 of test)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"GSM8K split must be 'train' or 'test', got {split!r}")
+    root = data_dir()
+    if root is not None:
+        return _read_jsonl(root / "gsm8k" / f"{split}.jsonl", limit)
+    return _from_hub("openai/gsm8k", "main", split, limit)
+
+
+def cnn_dailymail(limit: int | None = None) -> list[dict]:
+    """CNN/DailyMail test articles with ``article`` and ``highlights`` (or ``summary``), in file order."""
+    root = data_dir()
+    if root is not None:
+        return _read_jsonl(root / "cnn_dailymail" / "test.jsonl", limit)
+    return _from_hub("abisee/cnn_dailymail", "3.0.0", "test", limit)
+
+
+def openstax(limit: int | None = None) -> list[dict]:
+    """OpenStax textbook sections (``text``), CC BY 4.0; only available from the local data folder."""
+    root = data_dir()
+    if root is None:
+        raise DataUnavailable("the OpenStax training text is only read from the local data folder (SPECFIT_DATA_DIR)")
+    return _read_jsonl(root / "openstax" / "train.jsonl", limit)
+
+
+def prompts(workload: str, limit: int, max_chars: int | None = None) -> list[str]:
+    """Prompt strings for a workload: ``"gsm8k"`` (test questions) or ``"cnn"`` (test articles)."""
+    if workload == "gsm8k":
+        return [GSM8K_PROMPT.format(question=r["question"]) for r in gsm8k("test", limit)]
+    if workload == "cnn":
+        out = []
+        for r in cnn_dailymail(limit):
+            article = r["article"] if max_chars is None else r["article"][:max_chars]
+            out.append(CNN_PROMPT.format(article=article))
+        return out
+    raise ValueError(f"unknown workload {workload!r}; choose 'gsm8k' or 'cnn'")
