@@ -1,0 +1,119 @@
+"""Host side of the offload: every routed expert lives in host memory, one contiguous arena per MoE layer.
+
+Layout of one layer's arena ``[E, 3*I*H]``: row ``e`` is expert ``e`` flattened as ``gate_up [2I, H]`` (gate rows
+first, then up rows, as in transformers' fused ``gate_up_proj``) followed by ``down [H, I]``. One expert is one row,
+so moving it to the device is one copy. On CUDA the arenas are pinned in place at their exact size with
+``cudaHostRegister`` (torch's pinned allocator rounds every block up to a power of two: 54 GiB would cost ~72 GiB).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+
+
+class ExpertStore:
+    def __init__(self, num_layers: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
+                 pin: bool | str = "auto"):
+        if pin not in (True, False, "auto"):
+            raise ValueError(f"pin must be True, False or 'auto', got {pin!r}")
+        self.num_experts, self.hidden, self.intermediate, self.dtype = num_experts, hidden, intermediate, dtype
+        self.expert_numel = 3 * intermediate * hidden
+        self.arenas = [torch.empty(num_experts, self.expert_numel, dtype=dtype) for _ in range(num_layers)]
+        self.pinned_bytes = 0
+        self._registered: list[int] = []
+        self._finalizer = None
+        if pin is True or (pin == "auto" and torch.cuda.is_available()):
+            self._pin()
+
+    # sizes ---------------------------------------------------------------------------------------------------
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_numel * self.arenas[0].element_size() if self.arenas else 0
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() for a in self.arenas)
+
+    @property
+    def is_pinned(self) -> bool:
+        return bool(self.arenas) and self.pinned_bytes == self.weight_bytes
+
+    # views -----------------------------------------------------------------------------------------------------
+    def split(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One flat expert row (host or device) -> (gate_up [2I, H], down [H, I]) views."""
+        n = 2 * self.intermediate * self.hidden
+        return row[:n].view(2 * self.intermediate, self.hidden), row[n:].view(self.hidden, self.intermediate)
+
+    def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.split(self.arenas[layer][expert])
+
+    def write_fused(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Fill a layer from transformers' fused parameters: gate_up [E, 2I, H], down [E, H, I]."""
+        n = 2 * self.intermediate * self.hidden
+        arena = self.arenas[layer]
+        arena[:, :n].copy_(gate_up.detach().reshape(self.num_experts, n))
+        arena[:, n:].copy_(down.detach().reshape(self.num_experts, -1))
+
+    def write_part(self, layer: int, expert: int, part: str, weight: torch.Tensor) -> None:
+        """Fill one checkpoint tensor: ``gate_proj``/``up_proj`` [I, H] or ``down_proj`` [H, I]."""
+        gate_up, down = self.expert(layer, expert)
+        target = {"gate_proj": gate_up[: self.intermediate], "up_proj": gate_up[self.intermediate:],
+                  "down_proj": down}.get(part)
+        if target is None:
+            raise ValueError(f"unknown expert part {part!r}; expected gate_proj, up_proj or down_proj")
+        if tuple(weight.shape) != tuple(target.shape):
+            raise ValueError(f"layer {layer} expert {expert} {part}: shape {tuple(weight.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(weight)
+
+    def fused(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh contiguous copies in transformers' fused layout (used by ``disable``)."""
+        n = 2 * self.intermediate * self.hidden
+        arena = self.arenas[layer]
+        gate_up = arena[:, :n].reshape(self.num_experts, 2 * self.intermediate, self.hidden).clone()
+        down = arena[:, n:].reshape(self.num_experts, self.hidden, self.intermediate).clone()
+        return gate_up, down
+
+    # pinning ---------------------------------------------------------------------------------------------------
+    def _pin(self) -> None:
+        if not torch.cuda.is_available():
+            warnings.warn(f"pin=True but CUDA is not available: {self.weight_bytes} bytes of experts stay in "
+                          f"pageable memory", RuntimeWarning, stacklevel=3)
+            return
+        cudart = torch.cuda.cudart()
+        for arena in self.arenas:
+            nbytes = arena.numel() * arena.element_size()
+            err = int(cudart.cudaHostRegister(arena.data_ptr(), nbytes, 0))
+            if err != 0:
+                torch.cuda.synchronize()  # a failed registration must not poison later CUDA calls
+                warnings.warn(
+                    f"pinning the expert arenas failed (cudaError {err}) after {self.pinned_bytes} of "
+                    f"{self.weight_bytes} bytes: the rest stays in PAGEABLE memory, so its host-to-device copies "
+                    f"are synchronous and slower. Check the memlock/cgroup limits and free host memory.",
+                    RuntimeWarning, stacklevel=3)
+                return
+            self._registered.append(arena.data_ptr())
+            self.pinned_bytes += nbytes
+        self._finalizer = weakref.finalize(self, _unregister, self._registered, self.arenas)
+
+    def release(self) -> None:
+        """Unpin and drop the arenas."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs once; drops its references to the arenas
+        self._registered, self.arenas, self.pinned_bytes = [], [], 0
+
+    def __repr__(self) -> str:
+        return (f"ExpertStore(layers={len(self.arenas)}, experts={self.num_experts}, expert_bytes={self.expert_bytes},"
+                f" weight_bytes={self.weight_bytes}, pinned_bytes={self.pinned_bytes})")
+
+
+def _unregister(ptrs: list[int], arenas) -> None:
+    # `arenas` is passed only to keep the memory alive until it is unregistered
+    if ptrs and torch.cuda.is_available():
+        cudart = torch.cuda.cudart()
+        for ptr in ptrs:
+            cudart.cudaHostUnregister(ptr)
+    ptrs.clear()

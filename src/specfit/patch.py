@@ -1,0 +1,109 @@
+"""``enable`` and ``disable``: attach SpecFit to a transformers MoE model, and take it off again.
+
+``enable`` moves every routed expert into the host ``ExpertStore`` (releasing the model's own 3-D expert
+parameters: no second copy anywhere), gives each MoE layer a slot cache on the compute device, selects the
+``"specfit"`` experts implementation, hooks the forward for route recording and counters, and mixes SpecFit's
+generation strategy into the model's class. ``disable`` undoes each step, so outputs are bit-identical to before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import seam
+from .experts import ATTR
+from .expert_store import ExpertStore
+from .link import LinkConfig
+from .runtime import OffloadConfig, SpecFitRuntime
+
+
+def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str = "cached",
+           link: LinkConfig | float | None = None, pin: bool | str = "auto", device=None, drafter=None,
+           store: ExpertStore | None = None, **decoding) -> nn.Module:
+    """Offload ``model``'s routed experts to host memory with ``cache_slots`` device slots per MoE layer.
+
+    Args:
+        cache_slots: expert slots per layer on the compute device, 1..num_experts (the paper: 48, 24 or 12 of 128).
+        cache_mode: ``"cached"`` (LRU across forwards) or ``"cleared"`` (slots emptied before every forward).
+        link: an emulated host link for CPU studies: a ``LinkConfig`` or seconds per expert copy.
+        pin: pin the host arenas in place (CUDA only); ``"auto"`` pins when CUDA is available.
+        device: the compute device; defaults to where the model's embeddings are.
+        drafter: an EAGLE-3 drafter (module or checkpoint path) for ``generate(..., assistant=...)``.
+        store: an already filled ``ExpertStore`` (used by ``specfit.from_pretrained``).
+        **decoding: decoding options (see ``specfit.decoding.DecodingOptions``).
+    Returns the same model, patched; ``model.specfit`` is the runtime with ``.stats``.
+    """
+    if getattr(model, "specfit", None) is not None:
+        raise RuntimeError("SpecFit is already enabled on this model; call specfit.disable(model) first")
+    layers = seam.moe_layers(model)
+    first = layers[0].experts
+    num_experts = first.num_experts
+    if cache_slots is None:
+        raise ValueError(f"cache_slots is required: expert slots per MoE layer on the device, 1..{num_experts}")
+    if isinstance(cache_slots, bool) or not isinstance(cache_slots, int) or not 1 <= cache_slots <= num_experts:
+        raise ValueError(f"cache_slots must be an integer in 1..{num_experts} (the model's experts per layer), "
+                         f"got {cache_slots!r}")
+    if isinstance(link, (int, float)) and not isinstance(link, bool):
+        link = LinkConfig(seconds_per_expert=float(link))
+    config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin)
+    device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
+
+    restore_params = store is None  # params existed and must come back on disable
+    param_device, param_dtype, requires_grad = torch.device("cpu"), None, False
+    if store is None:
+        gate_up = first.gate_up_proj
+        param_device, param_dtype, requires_grad = gate_up.device, gate_up.dtype, gate_up.requires_grad
+        store = ExpertStore(len(layers), num_experts, first.hidden_dim, first.intermediate_dim, gate_up.dtype,
+                            pin=pin)
+        for i, moe in enumerate(layers):
+            with torch.no_grad():
+                store.write_fused(i, moe.experts.gate_up_proj, moe.experts.down_proj)
+            del moe.experts.gate_up_proj, moe.experts.down_proj  # released: the store holds the only copy
+
+    runtime = SpecFitRuntime(store, config, device, [m.layer for m in layers])
+    for moe, layer_rt in zip(layers, runtime.layers):
+        setattr(moe.experts, ATTR, layer_rt)
+    previous_impl = seam.experts_implementation(model)
+    seam.set_experts_implementation(model, seam.EXPERTS_IMPL)
+    base = model.model
+    hooks = [base.register_forward_pre_hook(lambda module, args: runtime.begin_forward()),
+             base.register_forward_hook(lambda module, args, output: runtime.end_forward())]
+    original_class = seam.install_generation_strategy(model)
+    runtime._restore = dict(previous_impl=previous_impl, hooks=hooks, original_class=original_class,
+                            restore_params=restore_params, param_device=param_device, param_dtype=param_dtype,
+                            requires_grad=requires_grad)
+    model.specfit = runtime
+    try:
+        from .decoding import attach_decoding
+
+        attach_decoding(model, drafter=drafter, **decoding)
+    except BaseException:
+        disable(model)
+        raise
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Exact inverse of ``enable``: expert parameters, experts implementation, class and hooks are restored."""
+    runtime = getattr(model, "specfit", None)
+    if runtime is None:
+        raise RuntimeError("SpecFit is not enabled on this model")
+    from .decoding import detach_decoding
+
+    detach_decoding(model)
+    r = runtime._restore
+    for handle in r["hooks"]:
+        handle.remove()
+    seam.remove_generation_strategy(model, r["original_class"])
+    seam.set_experts_implementation(model, r["previous_impl"])
+    for i, moe in enumerate(seam.moe_layers(model)):
+        if hasattr(moe.experts, ATTR):
+            delattr(moe.experts, ATTR)
+        gate_up, down = runtime.store.fused(i)
+        dtype = r["param_dtype"] or gate_up.dtype
+        moe.experts.gate_up_proj = nn.Parameter(gate_up.to(r["param_device"], dtype), r["requires_grad"])
+        moe.experts.down_proj = nn.Parameter(down.to(r["param_device"], dtype), r["requires_grad"])
+    runtime.store.release()
+    del model.specfit
+    return model

@@ -1,0 +1,105 @@
+"""``model.specfit``: the state SpecFit attaches to a model — expert store, slot caches, copies, routes, stats,
+and the decoding parts (drafter, cost model, route source)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .expert_cache import CopyEngine, LayerCache
+from .expert_store import ExpertStore
+from .experts import LayerRuntime
+from .link import EmulatedLink, LinkConfig
+from .routes import RouteRecorder
+from .stats import Counters, Stats
+
+CACHE_MODES = ("cached", "cleared")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    cache_slots: int  # expert slots per MoE layer on the compute device
+    cache_mode: str = "cached"  # "cleared": empty every slot before each forward (the paper's vanilla baseline)
+    link: LinkConfig | None = None  # emulated host link (CPU studies); None = real copies only
+    pin: bool | str = "auto"
+
+    def __post_init__(self):
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+
+
+class SpecFitRuntime:
+    def __init__(self, store: ExpertStore, config: OffloadConfig, device: torch.device, layer_ids: list[int]):
+        self.store, self.config, self.device = store, config, torch.device(device)
+        self.layer_ids = layer_ids  # decoder layer index of each MoE layer
+        self.stats = Stats()
+        self.routes = RouteRecorder(len(layer_ids), store.num_experts)
+        self.engine = CopyEngine(self.device, EmulatedLink(config.link) if config.link else None)
+        self.layers = [LayerRuntime(self, i, LayerCache(store, i, config.cache_slots, self.engine))
+                       for i in range(len(layer_ids))]
+        self.forward_counters = Counters()
+        self.untracked = False
+        self.request = None  # the assistant of the generate() call in progress
+        # decoding parts, set by enable()
+        self.drafter = None
+        self.draft_options = None
+        self.cost_model = None
+        self.route_source = None
+        self.aux_capture = None
+        self._restore = None  # what disable() needs; set by enable()
+
+    @property
+    def num_experts(self) -> int:
+        return self.store.num_experts
+
+    @property
+    def emulated(self) -> bool:
+        return self.engine.link is not None
+
+    @property
+    def link_label(self) -> str:
+        return self.config.link.label if self.config.link else "real copies"
+
+    def clear_cache(self) -> None:
+        """Empty every slot of every layer."""
+        for layer in self.layers:
+            layer.cache.clear()
+
+    # called by forward hooks on the model -----------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self.routes.begin()
+        if self.untracked:
+            return
+        self.forward_counters = Counters(forwards=1)
+        if self.config.cache_mode == "cleared":
+            self.clear_cache()
+
+    def end_forward(self) -> None:
+        self.routes.end()
+        if self.untracked:
+            return
+        self.engine.harvest(self.forward_counters)
+        self.stats.last_forward = self.forward_counters
+        self.stats.total += self.forward_counters
+
+    @contextmanager
+    def measurement(self):
+        """Forwards inside run outside the offload: no slots touched, no counters, no emulated link. Yields the
+        RouteRecorder that receives their routes. Used by the route oracle, a measurement device."""
+        if self.untracked:
+            raise RuntimeError("measurement() does not nest")
+        saved = self.routes
+        self.routes = RouteRecorder(saved.num_layers, saved.num_experts)
+        self.untracked = True
+        try:
+            yield self.routes
+        finally:
+            self.untracked = False
+            self.routes = saved
+
+    def __repr__(self) -> str:
+        return (f"SpecFitRuntime(moe_layers={len(self.layers)}, experts={self.num_experts}, "
+                f"slots={self.config.cache_slots}, cache_mode={self.config.cache_mode!r}, link={self.link_label!r}, "
+                f"device={self.device}, pinned_bytes={self.store.pinned_bytes}, weight_bytes={self.store.weight_bytes})")

@@ -1,0 +1,160 @@
+"""The one file that touches transformers internals.
+
+Everything here relies on details of transformers 5.x that are not public API: the experts-implementation registry
+and ``config._experts_implementation``, the private ``_sample`` decoding method that ``generate()`` dispatches to,
+the layout of Qwen3-MoE decoder layers, and the tensors inside cache layers. When transformers moves, this file
+moves; nothing else should need to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
+from transformers.integrations.moe import ExpertsInterface
+
+from .experts import specfit_experts_forward
+
+EXPERTS_IMPL = "specfit"
+ExpertsInterface.register(EXPERTS_IMPL, specfit_experts_forward)
+
+
+# --- Model structure ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoELayer:
+    layer: int  # decoder layer index
+    experts: nn.Module  # has gate_up_proj [E, 2I, H] and down_proj [E, H, I] (or had, before enable)
+    gate: nn.Module  # the router
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no `model.layers`; SpecFit supports decoder-only causal LMs "
+                         f"such as Qwen3MoeForCausalLM")
+    return layers
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    """The sparse MoE blocks of a Qwen3-MoE-style model, in layer order."""
+    found = []
+    for i, layer in enumerate(decoder_layers(model)):
+        mlp = getattr(layer, "mlp", None)
+        experts, gate = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+        if experts is None or gate is None:
+            continue
+        if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False) or \
+                not getattr(experts, "is_concatenated", True) or not getattr(experts, "has_gate", True):
+            raise ValueError(f"layer {i}: {type(experts).__name__} uses a layout SpecFit does not support (bias, "
+                             f"transposed or interleaved gate/up); supported: Qwen3-MoE fused gate_up_proj/down_proj")
+        found.append(MoELayer(i, experts, gate))
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no MoE layers (no `mlp.experts` + `mlp.gate` in "
+                         f"model.layers); SpecFit offloads routed experts of models such as Qwen3MoeForCausalLM")
+    return found
+
+
+def experts_implementation(model) -> str | None:
+    return model.config._experts_implementation
+
+
+def set_experts_implementation(model, name: str) -> None:
+    model.set_experts_implementation(name)
+
+
+# --- generate(): the strategy that dispatches to SpecFit's decoding loop --------------------------------------
+class SpecFitGenerationMixin:
+    """Mixed into the model's class by ``enable``: ``generate(..., assistant=NAME)`` runs SpecFit's tree decoding
+    loop with the named assistant; without ``assistant`` it is transformers' own ``generate()``.
+
+    transformers runs all of its usual preparation (generation config, logits processors, stopping criteria incl.
+    stop strings, cache, streamer) and then calls the private ``_sample`` for greedy and sampling modes; the
+    override takes over there.
+    """
+
+    def generate(self, *args, assistant: str | None = None, **kwargs):
+        if assistant is None:
+            return super().generate(*args, **kwargs)
+        from .assistants import resolve_assistant
+        from .loop import check_generate_arguments
+
+        spec = resolve_assistant(assistant)
+        check_generate_arguments(self, args, kwargs)
+        runtime = self.specfit
+        runtime.request = spec
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            runtime.request = None
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        runtime = getattr(self, "specfit", None)
+        if runtime is None or runtime.request is None:
+            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
+                                   synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        from .loop import decode
+
+        return decode(self, runtime.request, input_ids, logits_processor, stopping_criteria, generation_config,
+                      streamer=streamer, **model_kwargs)
+
+
+def install_generation_strategy(model) -> type:
+    """Swap the model's class for a subclass with the SpecFit strategy (same name, so ``save_pretrained`` still
+    writes the original architecture); return the original class for ``remove_generation_strategy``."""
+    cls = type(model)
+    model.__class__ = type(cls.__name__, (SpecFitGenerationMixin, cls), {"__module__": cls.__module__})
+    return cls
+
+
+def remove_generation_strategy(model, original_class: type) -> None:
+    model.__class__ = original_class
+
+
+# --- KV cache -------------------------------------------------------------------------------------------------
+def kv_length(cache: Cache) -> int:
+    """Number of committed positions in the cache."""
+    return int(cache.get_seq_length())
+
+
+def kv_capacity(cache: Cache, needed: int) -> int:
+    """Key/value length the attention sees after writing ``needed`` more positions (the mask's last dimension)."""
+    if isinstance(cache, StaticCache):
+        return cache.layers[0].max_cache_len
+    return kv_length(cache) + needed
+
+
+def keep_kv(cache: Cache, base: int, keep: torch.Tensor) -> None:
+    """After a tree forward wrote positions base.., keep only ``base + keep`` ([n] tree indices, ascending) so
+    they become contiguous positions base..base+n-1."""
+    n = keep.numel()
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            src = (base + keep).to(layer.keys.device)
+            dst = torch.arange(base, base + n, device=layer.keys.device)
+            layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+            layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+            layer.cumulative_length.fill_(base + n)
+    elif isinstance(cache, DynamicCache):
+        for layer in cache.layers:
+            idx = torch.cat([torch.arange(base, device=layer.keys.device), base + keep.to(layer.keys.device)])
+            layer.keys = layer.keys.index_select(2, idx)
+            layer.values = layer.values.index_select(2, idx)
+    else:
+        raise TypeError(f"SpecFit compacts DynamicCache and StaticCache, got {type(cache).__name__}")
+
+
+def crop_kv(cache: Cache, length: int) -> None:
+    """Drop every position from ``length`` on."""
+    extra = kv_length(cache) - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def check_cache(cache) -> None:
+    if not isinstance(cache, (DynamicCache, StaticCache)):
+        raise TypeError(f"SpecFit's tree decoding supports DynamicCache and StaticCache, got {type(cache).__name__}; "
+                        f"use the default cache or cache_implementation='static'")

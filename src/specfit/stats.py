@@ -1,0 +1,90 @@
+"""Counters: one dataclass for everything SpecFit counts, read as ``model.specfit.stats``.
+
+``Counters`` holds raw, additive counts; rates are derived properties, computed when read. ``Stats`` keeps three
+of them: ``total`` (since the last ``reset()``), ``last_forward`` and ``last_generate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class Counters:
+    # offloaded experts (every target forward)
+    forwards: int = 0
+    demand: int = 0  # sum over layers of the distinct experts a forward needs
+    hits: int = 0
+    misses: int = 0  # = host-to-device copies (loads + streamed)
+    streamed: int = 0  # misses copied through scratch because every slot was in use by the same forward
+    bytes_copied: int = 0
+    copy_seconds: float = 0.0  # time compute waited for copies (measured, or emulated when a link is set)
+    # speculative decoding (generate calls with an assistant)
+    cycles: int = 0
+    nodes_drafted: int = 0  # draft pool size, summed over cycles
+    nodes_verified: int = 0  # draft nodes in the verified subtree (the root not counted)
+    tokens_committed: int = 0  # accepted draft tokens + the bonus token
+    new_tokens: int = 0  # tokens returned by generate (AR too)
+    decode_seconds: float = 0.0  # timed wall clock of the decode loop (prefill excluded)
+    untimed_seconds: float = 0.0  # measurement-only work excluded from decode_seconds (the route oracle)
+
+    def __iadd__(self, other: "Counters") -> "Counters":
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def __sub__(self, other: "Counters") -> "Counters":
+        return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def copy(self) -> "Counters":
+        return Counters(**asdict(self))
+
+    # derived rates
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.demand if self.demand else 0.0
+
+    @property
+    def copies_per_token(self) -> float:
+        return self.misses / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def nodes_per_cycle(self) -> float:
+        return self.nodes_verified / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return self.tokens_committed / self.cycles if self.cycles else 0.0
+
+    @property
+    def seconds_per_cycle(self) -> float:
+        return self.decode_seconds / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("hit_rate", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle", "seconds_per_cycle",
+                     "tokens_per_second"):
+            out[name] = getattr(self, name)
+        return out
+
+
+@dataclass
+class Stats:
+    total: Counters = field(default_factory=Counters)
+    last_forward: Counters = field(default_factory=Counters)
+    last_generate: Counters = field(default_factory=Counters)
+
+    def reset(self) -> None:
+        self.total = Counters()
+        self.last_forward = Counters()
+        self.last_generate = Counters()
+
+    def __repr__(self) -> str:
+        t = self.total
+        return (f"Stats(forwards={t.forwards}, demand={t.demand}, hits={t.hits}, misses={t.misses}, "
+                f"bytes_copied={t.bytes_copied}, copy_seconds={t.copy_seconds:.4f}, cycles={t.cycles}, "
+                f"new_tokens={t.new_tokens})")
