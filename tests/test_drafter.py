@@ -24,7 +24,8 @@ def tiny_drafter(seed=0, **overrides) -> Eagle3Drafter:
     drafter = Eagle3Drafter(tiny_config(**overrides))
     c = drafter.config
     # a real (non-identity) draft vocabulary: every other id, so d2t offsets are non-zero
-    d2t, t2d = draft_vocab_from_counts({i: 1000 - i for i in range(0, c.vocab_size, 2)}, c.draft_vocab_size, c.vocab_size)
+    counts = {i: 1000 - i for i in range(0, c.vocab_size, 2)}
+    d2t, t2d = draft_vocab_from_counts(counts, c.draft_vocab_size, c.vocab_size)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
     for p in drafter.parameters():  # norms away from 1 so that every weight matters
@@ -201,8 +202,10 @@ def test_ttt_attention_equals_explicit_mask():
         torch.testing.assert_close(fast[j], slow[j], rtol=1e-5, atol=1e-5)
     # the pattern itself: step 2 query i sees step-0 keys <= i and the step-1/2 keys at i
     torch.manual_seed(5)
-    q, ks, vs = torch.randn(1, 2, 5, 4), [torch.randn(1, 2, 5, 4) for _ in range(3)], [torch.randn(1, 2, 5, 4) for _ in range(3)]
-    mask = torch.cat([torch.ones(5, 5, dtype=torch.bool).tril(), torch.eye(5, dtype=torch.bool), torch.eye(5, dtype=torch.bool)], 1)
+    q = torch.randn(1, 2, 5, 4)
+    ks, vs = [torch.randn(1, 2, 5, 4) for _ in range(3)], [torch.randn(1, 2, 5, 4) for _ in range(3)]
+    eye = torch.eye(5, dtype=torch.bool)
+    mask = torch.cat([torch.ones(5, 5, dtype=torch.bool).tril(), eye, eye], 1)
     expected = torch.nn.functional.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=mask)
     torch.testing.assert_close(_ttt_attention(q, ks, vs), expected)
 

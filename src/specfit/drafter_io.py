@@ -1,0 +1,403 @@
+"""Read public EAGLE-3 drafter checkpoints as they are, check them against the target, and write the SpecForge layout.
+
+Layouts read (a folder with ``config.json`` and ``model.safetensors``, a safetensors index or ``pytorch_model.bin``):
+
+* SpecForge / EAGLE / SGLang: flat Llama-style ``config.json`` (``LlamaForCausalLMEagle3``), keys ``fc.*``,
+  ``midlayer.*``, ``norm.*``, ``lm_head.*``, ``d2t``, ``t2d``, optionally ``embed_tokens.weight``.
+* vLLM / speculators: keys ``layers.0.*`` instead of ``midlayer.*``; speculators configs have a top-level
+  ``speculators_model_type: "eagle3"`` and the layer fields nested in ``transformer_layer_config`` (written as a diff
+  against ``LlamaConfig``, so missing fields take the Llama defaults).
+* Any key may carry a ``model.`` prefix. ``head_dim`` comes from the config or else from ``q_proj`` rows / heads.
+  ``draft_vocab_size`` absent means the full vocab (``d2t`` / ``t2d`` may then be absent: identity);
+  ``target_hidden_size`` absent means ``hidden_size``.
+
+Aux-layer ids. SpecFit stores ONE convention: the 0-based index of the target decoder layer whose OUTPUT is captured
+(SpecForge's). The ids found in checkpoints (notes: eagle3.md §1.1) are converted:
+
+* ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SpecForge / SGLang drafter configs): output-of-layer ids, kept.
+  SpecForge ``resolve_eagle_capture_layers`` defaults to (1, N//2-1, N-4); SGLang ``set_eagle3_layers_to_capture``
+  shifts explicit ids by +1 because it captures the *input* of a layer.
+* top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM ``_get_eagle3_aux_layers_from_config``, speculators
+  ``Eagle3SpeculatorConfig``): HF ``output_hidden_states`` indices, where index j is the output of layer j-1 (index 0
+  is the embeddings), so id j becomes j-1. vLLM's default (2, N//2, N-3) is the same physical tensors as SpecForge's.
+* absent: the EAGLE reference default, outputs of layers (1, N//2-1, N-4) of the N-layer target (it captures the
+  input of layers 2, N//2, N-3 in ``modeling_*_kv.py``).
+
+``aux_layer_convention="output"`` or ``"hidden_states"`` overrides where-found detection (sglang#25454 and vllm#43671
+document checkpoints written for the other reader).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from specfit.drafter import Eagle3Config, Eagle3Drafter
+
+CONFIG_NAME = "config.json"
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+BIN_NAME = "pytorch_model.bin"
+
+# speculators writes transformer_layer_config with to_diff_dict(): fields equal to these LlamaConfig defaults are absent
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+REQUIRED_KEYS = (
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+)
+OPTIONAL_KEYS = {"embed_tokens.weight"}  # an owned embedding; otherwise the target's is shared
+IGNORED_KEYS = {"verifier_lm_head.weight", "verifier_norm.weight"}  # speculators: copies of the target's head / norm
+# variants with extra norms or a different residual; their weights would not be used by this module
+UNSUPPORTED_FLAGS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
+AUX_CONVENTIONS = ("auto", "output", "hidden_states")
+
+
+def load_drafter(
+    path_or_dir,
+    target=None,
+    aux_layer_convention: str = "auto",
+    dtype: torch.dtype | None = None,
+    device=None,
+    num_target_layers: int | None = None,
+) -> Eagle3Drafter:
+    """Load an EAGLE-3 drafter checkpoint and, when ``target`` is given, check that it fits and share its embedding.
+
+    Args:
+        path_or_dir: checkpoint folder, a weights file inside one, or a hub repo id (downloaded when not a local path).
+        target: the transformers causal LM the drafter serves; its hidden size, layer count and vocab are checked.
+        aux_layer_convention: "auto" (by where the ids are found, see the module docstring), "output" or
+            "hidden_states".
+        dtype: cast floating tensors to this dtype; None keeps the dtype of ``fc.weight`` in the checkpoint.
+        device: where to put the drafter.
+        num_target_layers: N for the default aux layers and the range check when no ``target`` is given.
+
+    Raises:
+        ValueError: missing / unexpected keys, shapes that contradict the config, or a drafter that does not fit the
+            target; the message names the key and both shapes.
+        NotImplementedError: a variant this module does not implement (extra norms, non-default RoPE, >1 layer).
+    """
+    if aux_layer_convention not in AUX_CONVENTIONS:
+        raise ValueError(f"aux_layer_convention={aux_layer_convention!r}, expected one of {AUX_CONVENTIONS}")
+    folder, weights_path = _locate(path_or_dir)
+    raw = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    state = _normalize_keys(_read_weights(weights_path))
+    fields, ids, found_convention = _parse_config(raw)
+    if fields["head_dim"] is None:
+        q = state.get("midlayer.self_attn.q_proj.weight")
+        if q is None:
+            raise ValueError("drafter checkpoint lacks midlayer.self_attn.q_proj.weight")
+        fields["head_dim"] = q.shape[0] // fields["num_attention_heads"]
+
+    n_layers = target.config.num_hidden_layers if target is not None else num_target_layers
+    convention = found_convention if aux_layer_convention == "auto" else aux_layer_convention
+    if ids is not None and aux_layer_convention == "auto" and found_convention == "output" and ids[0] == 2:
+        warnings.warn(
+            f"eagle_config.eagle_aux_hidden_state_layer_ids={list(ids)} starts at 2: read as output-of-layer ids; "
+            "if the checkpoint was written for capture-before readers (vLLM, sglang#25454) pass "
+            "aux_layer_convention='hidden_states'",
+            stacklevel=2,
+        )
+    config = Eagle3Config(**fields, aux_layer_ids=_resolve_aux_ids(ids, convention, n_layers))
+
+    _complete_vocab_maps(state, config)
+    _check_keys(state)
+    _check_shapes(state, config)
+    _check_vocab_maps(state, config)
+    if target is not None:
+        _check_fit(state, config, target)
+
+    with torch.device("meta"):  # no random init of weights about to be replaced
+        drafter = Eagle3Drafter(config, own_embedding="embed_tokens.weight" in state)
+    dtype = dtype or state["fc.weight"].dtype
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    drafter.load_state_dict(state, strict=True, assign=True)
+    if device is not None:
+        drafter.to(device)
+    if target is not None and drafter.embed_tokens is None:
+        drafter.set_embedding(target.get_input_embeddings())
+    return drafter
+
+
+def save_drafter(drafter: Eagle3Drafter, out_dir) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the SpecForge layout (``midlayer.*``, no shared embedding)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = drafter.config
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids), "use_aux_hidden_state": True},
+    }
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    save_file(state, str(out / SAFETENSORS_NAME), metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def _locate(path_or_dir) -> tuple[Path, Path]:
+    """-> (folder with config.json, weights file)."""
+    path = Path(path_or_dir)
+    if not path.exists():
+        if str(path_or_dir).count("/") != 1:
+            raise FileNotFoundError(f"no drafter checkpoint at {path_or_dir}")
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(path_or_dir), allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+    folder = path if path.is_dir() else path.parent
+    if not (folder / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in {folder}")
+    if path.is_file() and path.name != CONFIG_NAME:
+        return folder, path
+    for name in (SAFETENSORS_NAME, SAFETENSORS_INDEX_NAME, BIN_NAME):
+        if (folder / name).is_file():
+            return folder, folder / name
+    raise FileNotFoundError(f"no {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {BIN_NAME} in {folder}")
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if path.name.endswith(".index.json"):
+        shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
+        state = {}
+        for shard in shards:
+            state.update(load_file(str(path.parent / shard), device="cpu"))
+        return state
+    if path.suffix == ".safetensors":
+        return load_file(str(path), device="cpu")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip ``model.``, rename ``layers.0.`` to ``midlayer.``, drop the speculators copies of the target's head."""
+    out = {}
+    for key, value in state.items():
+        name = key.removeprefix("model.")
+        if name.startswith("layers.0."):
+            name = "midlayer." + name.removeprefix("layers.0.")
+        if name in IGNORED_KEYS or name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE table
+            continue
+        if name in out:
+            raise ValueError(f"drafter checkpoint has {name} twice (keys {key!r} and another spelling)")
+        out[name] = value
+    return out
+
+
+def _parse_config(raw: dict) -> tuple[dict, tuple[int, ...] | None, str]:
+    """config.json -> (Eagle3Config fields except aux_layer_ids, raw aux ids or None, their convention)."""
+    speculators = raw.get("speculators_model_type")
+    if speculators is not None:
+        if speculators != "eagle3":
+            raise NotImplementedError(f"speculators_model_type={speculators!r}; only 'eagle3' is supported")
+        layer = raw.get("transformer_layer_config") or {}
+        ids, convention = raw.get("eagle_aux_hidden_state_layer_ids"), "hidden_states"
+    else:
+        layer = raw
+        eagle = raw.get("eagle_config") or {}
+        if eagle.get("use_aux_hidden_state") is False:
+            raise NotImplementedError("eagle_config.use_aux_hidden_state=false is an EAGLE-1/2 drafter, not EAGLE-3")
+        if eagle.get("eagle_aux_hidden_state_layer_ids") is not None:
+            ids, convention = eagle["eagle_aux_hidden_state_layer_ids"], "output"
+        else:  # vLLM-style flat configs put the HF hidden-state indices at the top level
+            ids, convention = raw.get("eagle_aux_hidden_state_layer_ids"), "hidden_states"
+    for flag in UNSUPPORTED_FLAGS:
+        if raw.get(flag) or layer.get(flag):
+            raise NotImplementedError(f"drafter variant with {flag}=true is not supported")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise NotImplementedError(f"drafters with num_hidden_layers={layer['num_hidden_layers']} are not supported")
+
+    layer = {**_LLAMA_DEFAULTS, **{k: v for k, v in layer.items() if v is not None or k == "head_dim"}}
+    rope = layer.get("rope_parameters") or {}
+    rope_scaling = layer.get("rope_scaling")
+    if rope.get("rope_type", "default") != "default":
+        rope_scaling = rope
+    vocab = layer["vocab_size"]
+    fields = {
+        "hidden_size": layer["hidden_size"],
+        "intermediate_size": layer["intermediate_size"],
+        "num_attention_heads": layer["num_attention_heads"],
+        "num_key_value_heads": layer.get("num_key_value_heads") or layer["num_attention_heads"],
+        "head_dim": layer.get("head_dim"),
+        "rms_norm_eps": layer["rms_norm_eps"],
+        "rope_theta": float(rope.get("rope_theta", layer["rope_theta"])),
+        "max_position_embeddings": layer["max_position_embeddings"],
+        "vocab_size": vocab,
+        "draft_vocab_size": raw.get("draft_vocab_size") or vocab,
+        "target_hidden_size": raw.get("target_hidden_size") or layer.get("target_hidden_size") or layer["hidden_size"],
+        "hidden_act": layer["hidden_act"],
+        "rope_scaling": rope_scaling,
+    }
+    return fields, (tuple(int(i) for i in ids) if ids is not None else None), convention
+
+
+def _resolve_aux_ids(ids, convention: str, num_target_layers: int | None) -> tuple[int, int, int]:
+    """Checkpoint ids in ``convention`` -> output-of-layer ids; the reference default when absent."""
+    if ids is None:
+        if num_target_layers is None:
+            raise ValueError(
+                "the drafter config has no eagle_aux_hidden_state_layer_ids; pass target= or num_target_layers= to "
+                "use the default (1, N//2-1, N-4)"
+            )
+        found, out = "the default (1, N//2-1, N-4)", Eagle3Config.default_aux_layer_ids(num_target_layers)
+    else:
+        if len(ids) != 3:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids={list(ids)}: expected 3 ids")
+        found, out = f"eagle_aux_hidden_state_layer_ids={list(ids)} ({convention} convention)", tuple(ids)
+        if convention == "hidden_states":
+            if min(ids) < 1:
+                raise ValueError(f"{found}: HF hidden-state index 0 is the embeddings, not a decoder layer output")
+            out = tuple(i - 1 for i in ids)
+    if num_target_layers is not None and not all(0 <= i < num_target_layers for i in out):
+        raise _fit_error(
+            f"{found} gives output-of-layer ids {out}, expected ids in [0, num_hidden_layers={num_target_layers})"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def _expected_shapes(c: Eagle3Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """key -> (shape, how to read it) implied by the config."""
+    h, i, d, ht = c.hidden_size, c.intermediate_size, c.head_dim, c.target_hidden_size
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    shapes = {
+        "fc.weight": ((h, 3 * ht), f"(hidden_size={h}, 3*target_hidden_size={3 * ht})"),
+        "midlayer.input_layernorm.weight": ((h,), f"(hidden_size={h},)"),
+        "midlayer.hidden_norm.weight": ((h,), f"(hidden_size={h},)"),
+        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), f"(heads*head_dim={q}, 2*hidden_size={2 * h})"),
+        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), f"(kv_heads*head_dim={kv}, 2*hidden_size={2 * h})"),
+        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), f"(kv_heads*head_dim={kv}, 2*hidden_size={2 * h})"),
+        "midlayer.self_attn.o_proj.weight": ((h, q), f"(hidden_size={h}, heads*head_dim={q})"),
+        "midlayer.post_attention_layernorm.weight": ((h,), f"(hidden_size={h},)"),
+        "midlayer.mlp.gate_proj.weight": ((i, h), f"(intermediate_size={i}, hidden_size={h})"),
+        "midlayer.mlp.up_proj.weight": ((i, h), f"(intermediate_size={i}, hidden_size={h})"),
+        "midlayer.mlp.down_proj.weight": ((h, i), f"(hidden_size={h}, intermediate_size={i})"),
+        "norm.weight": ((h,), f"(hidden_size={h},)"),
+        "lm_head.weight": ((c.draft_vocab_size, h), f"(draft_vocab_size={c.draft_vocab_size}, hidden_size={h})"),
+        "d2t": ((c.draft_vocab_size,), f"(draft_vocab_size={c.draft_vocab_size},)"),
+        "t2d": ((c.vocab_size,), f"(vocab_size={c.vocab_size},)"),
+        "embed_tokens.weight": ((c.vocab_size, h), f"(vocab_size={c.vocab_size}, hidden_size={h})"),
+    }
+    return shapes
+
+
+def _complete_vocab_maps(state: dict, c: Eagle3Config) -> None:
+    """Full-vocab drafters may omit d2t / t2d: the maps are then the identity. Normalise their dtypes."""
+    if c.draft_vocab_size == c.vocab_size:
+        state.setdefault("d2t", torch.zeros(c.vocab_size, dtype=torch.long))
+        state.setdefault("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+    if "d2t" in state:
+        state["d2t"] = state["d2t"].long()
+    if "t2d" in state:
+        state["t2d"] = state["t2d"].bool()
+
+
+def _check_keys(state: dict) -> None:
+    required = REQUIRED_KEYS
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise ValueError(f"drafter checkpoint is missing required key(s): {', '.join(missing)}")
+    unexpected = sorted(k for k in state if k not in required and k not in OPTIONAL_KEYS)
+    if unexpected:
+        hint = " (only one decoder layer is supported)" if any(k.startswith("layers.") for k in unexpected) else ""
+        raise ValueError(f"drafter checkpoint has unexpected key(s): {', '.join(unexpected)}{hint}")
+
+
+def _check_shapes(state: dict, c: Eagle3Config) -> None:
+    for key, (shape, how) in _expected_shapes(c).items():
+        if key in state and tuple(state[key].shape) != shape:
+            raise ValueError(
+                f"drafter checkpoint does not match its config.json: {key} has shape {tuple(state[key].shape)}, "
+                f"expected {how}"
+            )
+
+
+def _check_vocab_maps(state: dict, c: Eagle3Config) -> None:
+    """eagle3.md §2.2: t2d marks exactly Vd ids and d2t lists them in increasing order."""
+    d2t, t2d = state["d2t"], state["t2d"]
+    marked = int(t2d.sum())
+    if marked != c.draft_vocab_size:
+        raise ValueError(f"t2d marks {marked} target ids, expected draft_vocab_size={c.draft_vocab_size}")
+    ids = torch.arange(c.draft_vocab_size) + d2t  # [Vd] target ids of the draft vocab
+    if c.draft_vocab_size > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        bad = int((ids[1:] <= ids[:-1]).nonzero()[0]) + 1
+        raise ValueError(f"d2t: arange(Vd)+d2t must be strictly increasing, but draft id {bad} maps to {int(ids[bad])}")
+    if int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
+        raise ValueError(f"d2t maps draft ids to target ids in [{int(ids.min())}, {int(ids.max())}], outside "
+                         f"[0, vocab_size={c.vocab_size})")
+    if not bool(t2d[ids].all()):
+        raise ValueError("d2t and t2d disagree: some target id reached through d2t is not marked in t2d")
+
+
+def _fit_error(message: str) -> ValueError:
+    return ValueError(f"drafter does not fit the target: {message}")
+
+
+def _check_fit(state: dict, c: Eagle3Config, target) -> None:
+    hidden = target.config.hidden_size
+    embedding = target.get_input_embeddings().weight
+    vocab = embedding.shape[0]
+    fc = tuple(state["fc.weight"].shape)
+    if fc[1] != 3 * hidden:
+        raise _fit_error(f"fc.weight has shape {fc}, expected ({fc[0]}, 3*target_hidden={3 * hidden})")
+    t2d = tuple(state["t2d"].shape)
+    if t2d[0] != vocab:
+        raise _fit_error(
+            f"t2d has shape {t2d} (vocab_size={c.vocab_size}), expected (target_vocab={vocab},) (rows of the target "
+            "embedding)"
+        )
+    if "embed_tokens.weight" in state:
+        own = tuple(state["embed_tokens.weight"].shape)
+        if own[0] != vocab:
+            raise _fit_error(f"embed_tokens.weight has shape {own}, expected (target_vocab={vocab}, {own[1]})")
+    elif tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
+        raise _fit_error(
+            f"the shared target embedding has shape {tuple(embedding.shape)}, expected "
+            f"(vocab_size={c.vocab_size}, hidden_size={c.hidden_size}) (the checkpoint has no embed_tokens.weight)"
+        )
