@@ -1,13 +1,164 @@
-"""Decoding parts attached by ``enable``: the drafter, its target-feature capture, and the decoding options."""
+"""Decoding parts that ``enable`` attaches: the drafter, the capture of its target features, the decoding options,
+the route source and the cost model."""
 
 from __future__ import annotations
 
+import platform
+import warnings
+from dataclasses import dataclass, replace
 
-def attach_decoding(model, drafter=None, **options) -> None:
-    if options:
-        raise TypeError(f"unknown SpecFit options: {sorted(options)}")
-    model.specfit.drafter = drafter
+import torch
+
+from . import seam
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """Draft pool and selection settings; defaults are the paper's."""
+
+    topk: int = 2  # children per expanded node, and nodes expanded per level
+    depth: int = 5  # deepest draft level
+    pool_nodes: int = 18  # draft pool node budget
+    max_nodes: int = 7  # draft nodes verified per cycle at most (EAGLE-3 verifies exactly this many)
+    route_source: str = "oracle"  # where SpecFit's selector gets draft-node routes (see route_sources.py)
+
+    def __post_init__(self):
+        for name in ("topk", "depth", "pool_nodes", "max_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_nodes" else 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class AuxCapture:
+    """Forward hooks on the target's decoder layers that keep the outputs the drafter fuses (low, mid, high)."""
+
+    def __init__(self, model, layer_ids):
+        layers = seam.decoder_layers(model)
+        for i in layer_ids:
+            if not 0 <= i < len(layers):
+                raise ValueError(f"drafter aux layer id {i} is outside the target's {len(layers)} layers")
+        self.runtime = model.specfit
+        self.layer_ids = tuple(layer_ids)
+        self.outputs: list[torch.Tensor | None] = [None] * len(layer_ids)
+        self.handles = [layers[i].register_forward_hook(self._hook(j)) for j, i in enumerate(layer_ids)]
+
+    def _hook(self, j):
+        def hook(module, args, output):
+            if not self.runtime.untracked:  # the route oracle's forwards must not overwrite verified features
+                self.outputs[j] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def features(self) -> torch.Tensor:
+        """[1, T, 3H] features of the last forward's tokens (low, mid, high)."""
+        return torch.cat(self.outputs, dim=-1)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def attach_decoding(model, drafter=None, cost_model=None, **options) -> None:
+    runtime = model.specfit
+    runtime.options = DecodingOptions(**options)
+    runtime.cost_model = cost_model
+    if drafter is not None:
+        set_drafter(model, drafter)
+
+
+def set_drafter(model, drafter) -> None:
+    """Attach an EAGLE-3 drafter (module, or checkpoint folder checked against the target at load)."""
+    from .drafter_io import load_drafter
+
+    runtime = model.specfit
+    if runtime.aux_capture is not None:
+        runtime.aux_capture.remove()
+    if not isinstance(drafter, torch.nn.Module):
+        drafter = load_drafter(drafter, target=model)
+    weight = model.get_input_embeddings().weight
+    drafter.to(device=runtime.device, dtype=weight.dtype)
+    if getattr(drafter, "embed_tokens", None) is None:
+        drafter.set_embedding(model.get_input_embeddings())
+    drafter.eval()
+    runtime.drafter = drafter
+    runtime.aux_capture = AuxCapture(model, drafter.config.aux_layer_ids)
 
 
 def detach_decoding(model) -> None:
-    model.specfit.drafter = None
+    runtime = model.specfit
+    if runtime.aux_capture is not None:
+        runtime.aux_capture.remove()
+    runtime.aux_capture = runtime.drafter = None
+
+
+def configure(model, **options) -> DecodingOptions:
+    """Change decoding options on an enabled model, e.g. ``configure(model, max_nodes=5)``."""
+    runtime = model.specfit
+    runtime.options = replace(runtime.options, **options)
+    return runtime.options
+
+
+def device_name(runtime) -> str:
+    """Names the machine a cost profile belongs to; an emulated link is part of the name (it sets beta)."""
+    if runtime.device.type == "cuda":
+        name = torch.cuda.get_device_name(runtime.device)
+    else:
+        name = f"cpu-{_cpu_model()}"
+    if runtime.config.link is not None:
+        name += f" ({runtime.config.link.label})"
+    return name
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def resolve_cost_model(model):
+    """The cost model for the selector: the one given to ``enable``, else the calibrated profile for this device,
+    model, slot count and cache mode, else a shipped reference profile, else the documented default (with a loud
+    warning)."""
+    from .cost_model import CostModel, profile_path
+
+    runtime = model.specfit
+    cm = runtime.cost_model
+    if isinstance(cm, CostModel):
+        return cm
+    if cm is not None:
+        runtime.cost_model = CostModel.load(cm)
+        return runtime.cost_model
+    key = dict(device_name=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,
+               cache_mode=runtime.config.cache_mode)
+    for path in (profile_path(**key), reference_profile_path(**key)):
+        if path is not None and path.is_file():
+            runtime.cost_model = CostModel.load(path, expect={"slots": key["slots"],
+                                                              "cache_mode": key["cache_mode"]})
+            return runtime.cost_model
+    warnings.warn(
+        f"no calibrated cost profile for device {key['device_name']!r}, model {key['model_id']!r}, "
+        f"{key['slots']} slots, cache mode {key['cache_mode']!r} (looked for {profile_path(**key)}): SpecFit uses "
+        f"the default cost model (the paper's A100 beta), which can pick poor subtrees here. Run `specfit calibrate`.",
+        RuntimeWarning, stacklevel=3)
+    runtime.cost_model = CostModel.default(runtime.options.max_nodes)
+    return runtime.cost_model
+
+
+def model_id(model) -> str:
+    return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or
+               type(model).__name__)
+
+
+def reference_profile_path(device_name, model_id, slots, cache_mode):
+    """Reference profiles shipped with the package (``specfit/calibration/``), for the embedded model."""
+    from importlib.resources import files
+
+    from .cost_model import profile_path
+
+    name = profile_path(device_name, model_id, slots, cache_mode).name
+    path = files("specfit").joinpath("calibration", name)
+    return path if path.is_file() else None

@@ -44,7 +44,7 @@ class SpecFitRuntime:
         self.request = None  # the assistant of the generate() call in progress
         # decoding parts, set by enable()
         self.drafter = None
-        self.draft_options = None
+        self.options = None
         self.cost_model = None
         self.route_source = None
         self.aux_capture = None
@@ -81,8 +81,7 @@ class SpecFitRuntime:
         if self.untracked:
             return
         self.engine.harvest(self.forward_counters)
-        self.stats.last_forward = self.forward_counters
-        self.stats.total += self.forward_counters
+        self.stats.forward_done(self.forward_counters)
 
     @contextmanager
     def measurement(self):

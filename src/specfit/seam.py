@@ -93,13 +93,18 @@ class SpecFitGenerationMixin:
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
         runtime = getattr(self, "specfit", None)
-        if runtime is None or runtime.request is None:
-            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
-                                   synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
-        from .loop import decode
+        if runtime is not None and runtime.request is not None:
+            from .loop import decode
 
-        return decode(self, runtime.request, input_ids, logits_processor, stopping_criteria, generation_config,
-                      streamer=streamer, **model_kwargs)
+            return decode(self, runtime.request, input_ids, logits_processor, stopping_criteria, generation_config,
+                          streamer=streamer, **model_kwargs)
+        scope = runtime.stats.begin_generate() if runtime is not None else None
+        out = super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
+                              synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        if scope is not None:
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            scope.end(new_tokens=(sequences.shape[1] - input_ids.shape[1]) * sequences.shape[0], autoregressive=True)
+        return out
 
 
 def install_generation_strategy(model) -> type:
@@ -152,6 +157,18 @@ def crop_kv(cache: Cache, length: int) -> None:
     extra = kv_length(cache) - length
     if extra > 0:
         cache.crop(-extra)
+
+
+def ensure_room(model, cache: Cache, needed: int) -> Cache:
+    """A tree forward writes past the committed length; a static cache sized by generate() for max_length alone is
+    too short. Replace such a cache (still empty) with one of ``needed`` positions; refuse a user's cache that is too
+    short."""
+    if not isinstance(cache, StaticCache) or cache.layers[0].max_cache_len >= needed:
+        return cache
+    if getattr(cache, "_is_user_defined", False):
+        raise ValueError(f"the StaticCache passed to generate() holds {cache.layers[0].max_cache_len} positions; tree "
+                         f"decoding needs {needed} (max_length + draft pool + 1)")
+    return StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=needed)
 
 
 def check_cache(cache) -> None:

@@ -1,11 +1,13 @@
 """Counters: one dataclass for everything SpecFit counts, read as ``model.specfit.stats``.
 
-``Counters`` holds raw, additive counts; rates are derived properties, computed when read. ``Stats`` keeps three
-of them: ``total`` (since the last ``reset()``), ``last_forward`` and ``last_generate``.
+``Counters`` holds raw, additive counts; rates are derived properties, computed when read. ``Stats`` keeps
+``total`` (since the last ``reset()``), ``last_forward``, and for the last ``generate()`` call ``last_prefill``
+(the prompt's forward) and ``last_generate`` (everything after it: the decode phase the tables report).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, fields
 
 
@@ -76,15 +78,65 @@ class Counters:
 class Stats:
     total: Counters = field(default_factory=Counters)
     last_forward: Counters = field(default_factory=Counters)
+    last_prefill: Counters = field(default_factory=Counters)
     last_generate: Counters = field(default_factory=Counters)
+    scope: "GenerateScope | None" = field(default=None, repr=False)
 
     def reset(self) -> None:
-        self.total = Counters()
-        self.last_forward = Counters()
-        self.last_generate = Counters()
+        self.total, self.last_forward = Counters(), Counters()
+        self.last_prefill, self.last_generate = Counters(), Counters()
+
+    def begin_generate(self) -> "GenerateScope":
+        self.scope = GenerateScope(self)
+        return self.scope
+
+    def forward_done(self, counters: Counters) -> None:
+        self.last_forward = counters
+        self.total += counters
+        if self.scope is not None:
+            self.scope.prefill_done()  # the first forward of a generate() call is its prefill
 
     def __repr__(self) -> str:
         t = self.total
         return (f"Stats(forwards={t.forwards}, demand={t.demand}, hits={t.hits}, misses={t.misses}, "
                 f"bytes_copied={t.bytes_copied}, copy_seconds={t.copy_seconds:.4f}, cycles={t.cycles}, "
                 f"new_tokens={t.new_tokens})")
+
+
+class GenerateScope:
+    """Accounts one ``generate()`` call: prefill counters, then the decode phase (cycles, tokens, timed seconds)."""
+
+    def __init__(self, stats: Stats):
+        self.stats = stats
+        self.start = stats.total.copy()
+        self.after_prefill: Counters | None = None
+        self.t_prefill = time.perf_counter()
+
+    def prefill_done(self) -> None:
+        if self.after_prefill is None:
+            self.after_prefill = self.stats.total.copy()
+            self.t_prefill = time.perf_counter()
+
+    def cycle(self, pool: int, verified: int, committed: int, seconds: float, untimed: float) -> None:
+        t = self.stats.total
+        t.cycles += 1
+        t.nodes_drafted += pool
+        t.nodes_verified += verified
+        t.tokens_committed += committed
+        t.decode_seconds += seconds
+        t.untimed_seconds += untimed
+
+    def end(self, new_tokens: int, autoregressive: bool = False) -> None:
+        """``autoregressive``: plain decoding, one token per forward, timed from the end of the prefill."""
+        t = self.stats.total
+        self.prefill_done()
+        if autoregressive:
+            t.decode_seconds += time.perf_counter() - self.t_prefill
+            steps = t.forwards - self.after_prefill.forwards
+            t.cycles += steps
+            t.tokens_committed += steps
+        t.new_tokens += new_tokens
+        self.stats.last_prefill = self.after_prefill - self.start
+        self.stats.last_generate = t - self.after_prefill
+        self.stats.last_generate.new_tokens = new_tokens
+        self.stats.scope = None

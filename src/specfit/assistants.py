@@ -1,0 +1,125 @@
+"""Assistants: the candidate generators that ``generate(..., assistant=NAME)`` looks up by name.
+
+A tree candidate generator owns phases 1 (draft), 2 (select) and 6 (observe) of the decoding loop:
+
+- ``"eagle3"``: drafts the whole pool (top-k expansion to the full depth and node budget) and verifies the tree
+  EAGLE-3 itself would verify: the ``max_nodes`` pool nodes with the highest path probability (EAGLE-2's reranking;
+  always ancestor-closed). The paper's baseline.
+- ``"specfit"``: after each drafted level, runs the SpecFit selector on the pool so far and stops drafting when the
+  winning subtree takes no node of the newest level; verifies exactly the winner.
+
+Register your own with ``register_assistant(name, factory)``; ``factory(model)`` returns a ``TreeCandidateGenerator``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .drafting import TreeDrafter
+from .route_sources import Cycle, resolve_route_source
+from .selector import select_subtree, takes_from_level
+from .tree import DraftTree
+
+
+class TreeCandidateGenerator(CandidateGenerator):
+    """A transformers ``CandidateGenerator`` that proposes a *tree* and the subtree of it to verify.
+
+    transformers' own ``get_candidates`` returns one linear continuation for its chain-only assisted decoding; a tree
+    does not fit that shape, so SpecFit's loop calls ``start``/``draft``/``select``/``observe`` instead and
+    ``get_candidates`` is not provided.
+    """
+
+    def start(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """After prefill: target features [1, P, 3H] of the prompt and the token after each ([1, P])."""
+        raise NotImplementedError
+
+    def draft(self, cycle: Cycle) -> DraftTree:
+        raise NotImplementedError
+
+    def select(self, tree: DraftTree, cycle: Cycle) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """After acceptance: features [1, m, 3H] of the committed tokens newly in the KV cache and the token after
+        each ([1, m]; the last is the bonus token, the next root)."""
+        raise NotImplementedError
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):  # transformers' hook; trees adapt in draft()
+        pass
+
+
+class Eagle3Generator(TreeCandidateGenerator):
+    def __init__(self, model):
+        runtime = model.specfit
+        if runtime.drafter is None:
+            raise ValueError("no drafter attached: pass drafter=PATH_OR_MODULE to specfit.enable(...)")
+        opts = runtime.options
+        self.max_nodes = opts.max_nodes
+        self.drafter = TreeDrafter(runtime.drafter, opts.topk, opts.depth, opts.pool_nodes)
+
+    def start(self, features, next_tokens):
+        self.drafter.reset()
+        self.drafter.extend(features, next_tokens)
+
+    def observe(self, features, next_tokens):
+        self.drafter.extend(features, next_tokens)
+
+    def draft(self, cycle):
+        tree = DraftTree()
+        for tree in self.drafter.levels():
+            pass
+        return tree
+
+    def select(self, tree, cycle):
+        best = sorted(range(len(tree)), key=lambda v: (-tree.path_probs[v], v))[: self.max_nodes]
+        return tuple(sorted(best))
+
+
+class SpecFitGenerator(Eagle3Generator):
+    def __init__(self, model):
+        super().__init__(model)
+        from .decoding import resolve_cost_model
+
+        self.cost = resolve_cost_model(model)
+        if self.cost.max_nodes < self.max_nodes:
+            raise ValueError(f"the cost model predicts up to {self.cost.max_nodes} nodes but max_nodes is "
+                             f"{self.max_nodes}; recalibrate or lower max_nodes")
+        self.routes = resolve_route_source(model.specfit.options.route_source)
+        self.winner = None
+
+    def draft(self, cycle):
+        """Draft level by level; stop when the best subtree takes nothing from the newest level."""
+        tree = DraftTree()
+        for tree in self.drafter.levels():
+            node_routes, root_routes = self.routes(cycle, tree)
+            self.winner = select_subtree(tree.parents, tree.path_probs, node_routes, root_routes, self.cost,
+                                         self.max_nodes)
+            if not takes_from_level(self.winner, tree.depths, tree.depth):
+                break
+        return tree
+
+    def select(self, tree, cycle):
+        return self.winner.nodes
+
+
+ASSISTANTS: dict[str, Callable] = {"eagle3": Eagle3Generator, "specfit": SpecFitGenerator}
+
+
+def register_assistant(name: str, factory: Callable, *, replace: bool = False) -> None:
+    """Make ``generate(..., assistant=name)`` use ``factory(model) -> TreeCandidateGenerator``."""
+    if not isinstance(name, str) or not name or name != name.lower() or not name.replace("-", "_").isidentifier():
+        raise ValueError(f"assistant names are lowercase identifiers (dashes allowed), got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"the factory for assistant {name!r} must be callable: factory(model) -> generator")
+    if name in ASSISTANTS and not replace:
+        raise ValueError(f"assistant {name!r} is already registered; pass replace=True to override it")
+    ASSISTANTS[name] = factory
+
+
+def resolve_assistant(name) -> Callable:
+    if name not in ASSISTANTS:
+        raise ValueError(f"unknown assistant {name!r}; registered: {sorted(ASSISTANTS)}")
+    return ASSISTANTS[name]

@@ -1,0 +1,135 @@
+"""SpecFit's decoding loop: tree speculative decoding with a named assistant, inside ``model.generate()``.
+
+One cycle: (1) draft a pool, (2) select the subtree to verify, (3) verify root + subtree in one target forward,
+(4) accept the longest agreeing path plus the bonus token, (5) compact the KV cache to that path, (6) observe:
+commit the tokens (stopping criteria, streamer) and feed the drafter. The target runs every expert its router picks,
+so the output equals plain ``generate()`` (greedy: token for token; sampling: in distribution).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from . import seam
+from .acceptance import walk
+from .route_sources import Cycle
+from .tree import verify_layout
+
+UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False}
+
+
+def check_generate_arguments(model, args, kwargs) -> None:
+    """Refuse, before any work, what assistant decoding cannot do."""
+    if getattr(model, "specfit", None) is None:
+        raise RuntimeError("assistant=... needs SpecFit: call specfit.enable(model, cache_slots=..., drafter=...)")
+    if model.specfit.drafter is None:
+        raise ValueError("assistant=... needs a drafter: specfit.enable(model, ..., drafter=PATH_OR_MODULE)")
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError("pass either assistant= (SpecFit tree decoding) or assistant_model= (transformers), not both")
+    config = kwargs.get("generation_config") or model.generation_config
+    for name, allowed in UNSUPPORTED.items():
+        value = kwargs.get(name, getattr(config, name, None))
+        if value not in (None, allowed):
+            raise ValueError(f"assistant decoding does not support {name}={value!r} (only {allowed!r})")
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] != 1:
+        raise ValueError(f"assistant decoding runs one sequence at a time (batch size 1), got a batch of "
+                         f"{inputs.shape[0]}; loop over the prompts, or use generate() without assistant= for batches")
+
+
+@torch.no_grad()
+def decode(model, assistant, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
+           **model_kwargs):
+    runtime = model.specfit
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"assistant decoding runs one sequence at a time, got a batch of {input_ids.shape[0]}")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("assistant decoding takes an unpadded prompt (attention_mask has zeros)")
+    cache = seam.ensure_room(model, model_kwargs["cache"], generation_config.max_length + runtime.options.pool_nodes + 1)
+    do_sample = bool(generation_config.do_sample)
+    gen = assistant(model)
+    run = _Run(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+    scope = runtime.stats.begin_generate()
+
+    # 0. prefill: the prompt's KV and features; its last logits give the first token (the first root)
+    out = model(input_ids, cache=cache, position_ids=model_kwargs.get("position_ids"), use_cache=True,
+                logits_to_keep=1)
+    seam.check_cache(cache)
+    features = runtime.aux_capture.features()  # [1, P, 3H]
+    scope.prefill_done()
+    first = walk(lambda t: [], [], lambda t, acc: run.scores(out.logits[0, -1], acc), do_sample)
+    run.commit(first)
+    if not run.done:
+        gen.start(features, torch.cat([input_ids[:, 1:], run.ids[:, -1:]], dim=1))
+
+    while not run.done:
+        t0 = time.perf_counter()
+        cycle = Cycle(model, cache, base=seam.kv_length(cache), root=int(run.ids[0, -1]))
+        tree = gen.draft(cycle)  # 1. draft
+        nodes = gen.select(tree, cycle)  # 2. select
+        layout = verify_layout(tree, nodes, cycle.root, cycle.base, seam.kv_capacity(cache, len(nodes) + 1),
+                               out.logits.dtype, runtime.device)
+        out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=layout.mask,
+                    use_cache=True, logits_to_keep=0)  # 3. verify
+        tokens = layout.tokens[0].tolist()
+        acc = walk(layout.children, tokens, lambda t, accepted: run.scores(out.logits[0, t], accepted),
+                   do_sample)  # 4. accept
+        kept = torch.tensor([0] + acc.path, device=runtime.device)
+        seam.keep_kv(cache, cycle.base, kept)  # 5. compact
+        run.commit(acc)  # 6. observe
+        if not run.done:
+            gen.observe(runtime.aux_capture.features()[:, kept], torch.tensor([acc.tokens], device=runtime.device))
+        scope.cycle(pool=len(tree), verified=len(nodes), committed=len(acc.tokens),
+                    seconds=time.perf_counter() - t0 - cycle.untimed_seconds, untimed=cycle.untimed_seconds)
+
+    scope.end(new_tokens=run.ids.shape[1] - input_ids.shape[1])
+    if streamer is not None:
+        streamer.end()
+    return run.result(cache)
+
+
+class _Run:
+    """The sequence being generated: logits processing per tree node, committing tokens one by one against the
+    stopping criteria (max length, eos, stop strings) exactly as plain decoding does, streaming, outputs."""
+
+    def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
+        self.ids, self.processors, self.stopping = input_ids, logits_processor, stopping_criteria
+        self.config, self.streamer = generation_config, streamer
+        self.done = False
+        self.all_scores, self.all_logits = [], []
+        self._raw: list[torch.Tensor] = []  # raw logits behind each scores() call of this cycle, in walk order
+
+    def scores(self, logits: torch.Tensor, accepted: list[int]) -> torch.Tensor:
+        """Processed scores [V] for a node reached through ``accepted`` tokens after the committed ones."""
+        prefix = self.ids if not accepted else torch.cat(
+            [self.ids, torch.tensor([accepted], device=self.ids.device)], dim=1)
+        raw = logits.float()[None]  # [1, V]
+        self._raw.append(raw)
+        return self.processors(prefix, raw.clone())[0]
+
+    def commit(self, acc) -> None:
+        new = []
+        raw, self._raw = self._raw, []
+        for token, scores, logits in zip(acc.tokens, acc.scores, raw):
+            self.ids = torch.cat([self.ids, torch.tensor([[token]], device=self.ids.device)], dim=1)
+            self.all_scores.append(scores[None])
+            self.all_logits.append(logits)
+            new.append(token)
+            if bool(self.stopping(self.ids, tuple(self.all_scores)).any()):
+                self.done = True
+                break
+        if self.streamer is not None and new:
+            self.streamer.put(torch.tensor([new]))
+
+    def result(self, cache):
+        if not self.config.return_dict_in_generate:
+            return self.ids
+        return GenerateDecoderOnlyOutput(
+            sequences=self.ids,
+            scores=tuple(self.all_scores) if self.config.output_scores else None,
+            logits=tuple(self.all_logits) if self.config.output_logits else None,
+            cache=cache)

@@ -1,0 +1,82 @@
+"""Draft trees as plain data, and the attention layout that verifies one in a single forward.
+
+A *pool* node ``v`` has a parent (``-1``: a child of the root), a token (a target vocabulary id), a path probability
+(the product of draft probabilities from the root) and a depth (1 for children of the root). Parents come before
+children. The *root* is the last committed token, not yet in the target's KV cache; it is always verified. A
+*verify tree* is the root followed by a selected, ancestor-closed subset of the pool, in pool order: tree index 0 is
+the root, tree index ``j + 1`` is ``nodes[j]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    parents: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    path_probs: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def add(self, parent: int, token: int, path_prob: float) -> int:
+        if parent >= len(self.parents):
+            raise ValueError(f"parent {parent} must be an existing node (0..{len(self.parents) - 1}) or -1")
+        self.parents.append(parent)
+        self.tokens.append(token)
+        self.path_probs.append(path_prob)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        return len(self.parents) - 1
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def level(self, depth: int) -> list[int]:
+        return [v for v, d in enumerate(self.depths) if d == depth]
+
+    def is_ancestor_closed(self, nodes) -> bool:
+        chosen = set(nodes)
+        return all(self.parents[v] < 0 or self.parents[v] in chosen for v in chosen)
+
+
+@dataclass(frozen=True)
+class VerifyLayout:
+    """The root + selected nodes as one forward: inputs, depth-based positions and the tree attention mask."""
+
+    nodes: tuple[int, ...]  # pool indices of tree indices 1..n
+    parents: tuple[int, ...]  # tree-index parent of each tree index (-1 for the root)
+    tokens: torch.Tensor  # [1, n+1] root then selected tokens
+    position_ids: torch.Tensor  # [1, n+1] base + depth
+    mask: torch.Tensor  # [1, 1, n+1, kv_len] additive: 0 = attend, finfo.min = masked
+
+    def children(self, t: int) -> list[int]:
+        return [c for c, p in enumerate(self.parents) if p == t]
+
+
+def verify_layout(tree: DraftTree, nodes, root_token: int, base: int, kv_len: int, dtype: torch.dtype,
+                  device) -> VerifyLayout:
+    """``base``: committed positions already in the KV cache (the root goes to position ``base``)."""
+    nodes = tuple(sorted(nodes))
+    if not tree.is_ancestor_closed(nodes):
+        raise ValueError(f"selected nodes {nodes} are not ancestor-closed in the pool")
+    tree_index = {v: j + 1 for j, v in enumerate(nodes)}
+    parents = (-1,) + tuple(0 if tree.parents[v] < 0 else tree_index[tree.parents[v]] for v in nodes)
+    depths = [0] + [tree.depths[v] for v in nodes]
+    n = len(parents)
+    allowed = torch.zeros(n, kv_len, dtype=torch.bool)
+    allowed[:, :base] = True
+    for t in range(n):
+        a = t
+        while a >= 0:  # ancestors-or-self
+            allowed[t, base + a] = True
+            a = parents[a]
+    mask = torch.zeros(n, kv_len, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    tokens = torch.tensor([[root_token] + [tree.tokens[v] for v in nodes]], device=device)
+    positions = torch.tensor([[base + d for d in depths]], device=device)
+    return VerifyLayout(nodes, parents, tokens, positions, mask[None, None].to(device))
