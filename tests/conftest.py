@@ -5,7 +5,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy second core
 
 
 def tiny_moe_config(**overrides):
@@ -34,3 +34,55 @@ def tiny_moe(seed: int = 0, **overrides):
 @pytest.fixture
 def model():
     return tiny_moe()
+
+
+class SelfDrafter(torch.nn.Module):
+    """A test double with the Eagle3Drafter interface that drafts with a copy of the target itself: its draft
+    probabilities are the target's own, so its top-1 token is the target's greedy token. With ``noise`` > 0 a node's
+    prediction is replaced by random logits with that probability, which makes acceptance partial. ``sharpen``
+    multiplies the copy's logits, making its draft probabilities more confident.
+
+    The drafter protocol never shows it token 0 of the prompt (pairs are (feature of t_i, t_{i+1})), so the copy is
+    told it up front: ``first_token``.
+    """
+
+    def __init__(self, target, first_token: int, noise: float = 0.0, seed: int = 0, sharpen: float = 1.0):
+        super().__init__()
+        import copy
+        from types import SimpleNamespace
+
+        from transformers import DynamicCache
+
+        self.target = copy.deepcopy(target).eval()
+        self.first_token, self.noise, self.sharpen = first_token, noise, sharpen
+        self.generator = torch.Generator().manual_seed(seed)
+        self.config = SimpleNamespace(aux_layer_ids=(0, 1, 2), hidden_size=target.config.hidden_size)
+        self.fc = torch.nn.Linear(1, 1)
+        self.embed_tokens = None
+        self.kv = DynamicCache(config=self.target.config)
+
+    def set_embedding(self, embedding):
+        pass
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids
+
+    def forward(self, input_ids, hidden, position_ids, cache=None, attention_mask=None):
+        n = len(cache)
+        extra = self.kv.get_seq_length() - (n + 1)
+        if extra > 0:
+            self.kv.crop(-extra)
+        if n == 0 and self.kv.get_seq_length() == 0:
+            self.target(torch.tensor([[self.first_token]]), cache=self.kv, use_cache=True)
+        if attention_mask is not None:  # the copy's KV has token 0 in front of the drafter's entries
+            attention_mask = torch.cat([torch.zeros_like(attention_mask[..., :1]), attention_mask], dim=-1)
+        with torch.no_grad():
+            logits = self.target(input_ids, cache=self.kv, position_ids=position_ids + 1,
+                                 attention_mask=attention_mask, use_cache=True).logits * self.sharpen
+        if self.noise:
+            flip = torch.rand(logits.shape[:2], generator=self.generator) < self.noise
+            noise = torch.randn(logits.shape, generator=self.generator) * 3
+            logits = torch.where(flip[..., None], noise, logits)
+        T = input_ids.shape[1]
+        cache.append(torch.zeros(1, 1, T, 1), torch.zeros(1, 1, T, 1))
+        return logits, torch.zeros(1, T, self.config.hidden_size)

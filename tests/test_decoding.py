@@ -1,0 +1,151 @@
+"""Tree decoding inside generate(): lossless against plain generate(), on a tiny random target (fp32, CPU) with
+offloading on at a small slot count."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import SelfDrafter, tiny_moe
+
+import specfit
+from specfit.cost_model import CostModel
+from specfit.decoding import configure
+
+PROMPTS = [torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 8, 21, 34, 50)]
+SHAPES = [  # topk, depth, pool_nodes, max_nodes
+    dict(topk=2, depth=5, pool_nodes=18, max_nodes=7),
+    dict(topk=1, depth=4, pool_nodes=4, max_nodes=4),
+    dict(topk=3, depth=3, pool_nodes=12, max_nodes=5),
+    dict(topk=2, depth=2, pool_nodes=6, max_nodes=1),
+    dict(topk=2, depth=5, pool_nodes=10, max_nodes=0),
+]
+# a cost model under which SpecFit's choices vary: a few nodes pay off, wide unions do not
+COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.01)
+
+
+def enabled(prompt, noise=0.3, slots=4, sharpen=1.0, **kw):
+    model = tiny_moe()
+    drafter = SelfDrafter(model, first_token=int(prompt[0, 0]), noise=noise, sharpen=sharpen)
+    return specfit.enable(model, cache_slots=slots, drafter=drafter, cost_model=COST, **kw)
+
+
+@pytest.mark.parametrize("assistant", ["eagle3", "specfit"])
+def test_greedy_equals_plain_generate(assistant):
+    """5 prompts x 2 lengths x 5 tree shapes = 50 combinations per assistant."""
+    reference = tiny_moe()
+    checked = 0
+    for (p, prompt), length in itertools.product(enumerate(PROMPTS), (6, 23)):
+        expected = reference.generate(prompt, max_new_tokens=length, do_sample=False)
+        model = enabled(prompt, noise=0.3)
+        for shape in SHAPES:
+            configure(model, **shape)
+            out = model.generate(prompt, max_new_tokens=length, do_sample=False, assistant=assistant)
+            assert torch.equal(out, expected), f"prompt {p}, {length} tokens, tree {shape}"
+            g = model.specfit.stats.last_generate
+            assert g.new_tokens == length and g.nodes_per_cycle <= shape["max_nodes"]
+            checked += 1
+    assert checked == 50
+
+
+def test_self_drafter_path_fully_accepted():
+    prompt = PROMPTS[1]
+    expected = tiny_moe().generate(prompt, max_new_tokens=40, do_sample=False)
+    model = enabled(prompt, noise=0.0, sharpen=50.0)
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, assistant="eagle3")
+    assert torch.equal(out, expected)
+    g = model.specfit.stats.last_generate
+    # the top-1 chain (5 nodes) is in EAGLE-3's top-7 tree and all of it is accepted, plus the bonus token
+    assert g.nodes_per_cycle == 7
+    assert g.tokens_committed >= 6 * (g.cycles - 1)
+    assert g.cycles <= 1 + (40 - 1 + 5) // 6
+
+
+def test_eagle3_verifies_max_nodes_and_specfit_fewer():
+    prompt = PROMPTS[2]
+    model = enabled(prompt, noise=0.5)
+    model.generate(prompt, max_new_tokens=20, do_sample=False, assistant="eagle3")
+    eagle = model.specfit.stats.last_generate
+    model.generate(prompt, max_new_tokens=20, do_sample=False, assistant="specfit")
+    fit = model.specfit.stats.last_generate
+    assert eagle.nodes_per_cycle == 7 and eagle.nodes_drafted == 18 * eagle.cycles
+    assert fit.nodes_per_cycle < 7 and fit.nodes_drafted < 18 * fit.cycles
+    assert fit.untimed_seconds > 0 and eagle.untimed_seconds == 0  # the oracle runs outside the timer
+    assert fit.misses / fit.new_tokens < eagle.misses / eagle.new_tokens
+
+
+def test_eos_inside_accepted_path_and_max_new_tokens():
+    prompt = PROMPTS[3]
+    free = tiny_moe().generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1]:].tolist()
+    eos = free[9]  # the 10th new token
+    expected = tiny_moe().generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    assert expected.shape[1] == prompt.shape[1] + free.index(eos) + 1
+    model = enabled(prompt, noise=0.0)
+    for assistant in ("eagle3", "specfit"):
+        out = model.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos, assistant=assistant)
+        assert torch.equal(out, expected)
+        for n in (1, 2, 7, 13):
+            out = model.generate(prompt, max_new_tokens=n, do_sample=False, assistant=assistant)
+            assert out.shape[1] == prompt.shape[1] + n
+
+
+def test_static_cache_and_return_dict():
+    prompt = PROMPTS[1]
+    reference = tiny_moe()
+    expected = reference.generate(prompt, max_new_tokens=15, do_sample=False, return_dict_in_generate=True,
+                                  output_scores=True, output_logits=True)
+    model = enabled(prompt, noise=0.3)
+    for assistant in ("eagle3", "specfit"):
+        out = model.generate(prompt, max_new_tokens=15, do_sample=False, assistant=assistant,
+                             return_dict_in_generate=True, output_scores=True, output_logits=True)
+        assert torch.equal(out.sequences, expected.sequences)
+        assert len(out.scores) == len(out.logits) == 15
+        for got, want in zip(out.logits, expected.logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        static = model.generate(prompt, max_new_tokens=15, do_sample=False, assistant=assistant,
+                                cache_implementation="static")
+        assert torch.equal(static, expected.sequences)
+
+
+def test_stop_strings_and_streamer(capsys):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, TextStreamer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+    prompt = PROMPTS[2]
+    reference = tiny_moe()
+    free = reference.generate(prompt, max_new_tokens=30, do_sample=False)
+    text = tokenizer.decode(free[0, prompt.shape[1]:])
+    stop = text[12:14]
+    expected = reference.generate(prompt, max_new_tokens=30, do_sample=False, stop_strings=[stop],
+                                  tokenizer=tokenizer)
+    assert expected.shape[1] < free.shape[1]
+    model = enabled(prompt, noise=0.0)
+    out = model.generate(prompt, max_new_tokens=30, do_sample=False, stop_strings=[stop], tokenizer=tokenizer,
+                         assistant="specfit")
+    assert torch.equal(out, expected)
+
+    reference.generate(prompt, max_new_tokens=20, do_sample=False, streamer=TextStreamer(tokenizer))
+    plain = capsys.readouterr().out
+    model.generate(prompt, max_new_tokens=20, do_sample=False, streamer=TextStreamer(tokenizer), assistant="eagle3")
+    assert capsys.readouterr().out == plain and len(plain) > 20
+
+
+def test_errors():
+    prompt = PROMPTS[0]
+    model = enabled(prompt)
+    with pytest.raises(ValueError, match="unknown assistant 'medusa'"):
+        model.generate(prompt, assistant="medusa")
+    with pytest.raises(ValueError, match="batch size 1"):
+        model.generate(torch.cat([prompt, prompt]), assistant="specfit", max_new_tokens=3)
+    with pytest.raises(ValueError, match="num_beams"):
+        model.generate(prompt, assistant="specfit", num_beams=2, max_new_tokens=3)
+    bare = specfit.enable(tiny_moe(), cache_slots=2)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        bare.generate(prompt, assistant="eagle3", max_new_tokens=3)
+    with pytest.raises(ValueError, match="max_nodes"):
+        configure(model, max_nodes=-1)
