@@ -118,7 +118,7 @@ class CostModel:
                 f"give at least {len(observed) + 2}"
             )
         if all(np.ptp(demand[n_nodes == n]) == 0 for n in observed):
-            raise ValueError("demand never varies at a fixed node count, so beta cannot be told apart from the intercepts")
+            raise ValueError("demand never varies at a fixed node count, so beta cannot be told from the intercepts")
         top = observed[-1] if max_nodes is None else int(max_nodes)
         if top < observed[-1]:
             raise ValueError(f"max_nodes={top} is below the largest node count in the records ({observed[-1]})")

@@ -68,10 +68,11 @@ def select_subtree(parents, path_probs, routes, root_routes, cost, max_nodes: in
         count as equal; among those, fewer nodes, then the lexicographically smaller ``nodes``. This makes the choice
         deterministic whatever order the float sums were taken in.
 
-    The search is exact. It walks every ancestor-closed subtree of size ``<= max_nodes`` exactly once, depth first,
-    carrying the union of expert bitmaps (all layers packed into one Python int, so a union is one ``|`` and the
-    demand one ``bit_count()``). Cost: one big-int OR and popcount per subtree; an EAGLE-style top-2 pool of 18 nodes
-    with ``max_nodes=7`` has about 250-320 of them.
+    The search is exact. It scores every ancestor-closed subtree of size ``<= max_nodes`` exactly once, growing them
+    one node at a time (no recursion) and carrying the union of expert bitmaps as one Python int (all layers packed
+    together, so a union is one ``|`` and the demand one ``bit_count()``). Cost: one big-int OR and popcount per
+    subtree; an EAGLE-style top-2 pool of 18 nodes with ``max_nodes=7`` has about 250-320 of them. Before the walk,
+    experts that only one node newly asks for become per-node counts (see ``_split_demand``), so the ints are short.
 
     Example: node 2 is free because its parent already asks for its expert, so it joins node 0.
 
@@ -86,8 +87,9 @@ def select_subtree(parents, path_probs, routes, root_routes, cost, max_nodes: in
     """
     parents, probs = _check_tree(parents, path_probs)
     intercepts, beta = _check_cost(cost, max_nodes)
-    node_bits, root_bits = _pack_routes(routes, root_routes, len(parents))
-    if min(intercepts) + beta * root_bits.bit_count() <= 0:
+    flat, full_bits, root_bits = _pack_routes(routes, root_routes, len(parents))
+    shared_bits, own, root_demand = _split_demand(parents, flat, full_bits, root_bits)
+    if min(intercepts) + beta * root_demand <= 0:
         raise ValueError("cost model predicts a zero cycle time (an intercept is 0 and beta * root demand is 0)")
     n = len(parents)
     budget = min(max_nodes, n)
@@ -97,36 +99,51 @@ def select_subtree(parents, path_probs, routes, root_routes, cost, max_nodes: in
         (roots if p < 0 else children[p]).append(v)
     children = [tuple(c) for c in children]
     onehot = [1 << v for v in range(n)]
+    own_time = [beta * k for k in own]
+    fixed_time = [a + beta * root_demand for a in intercepts]  # the root's experts are paid at every size
 
-    best = 1.0 / (intercepts[0] + beta * root_bits.bit_count())
+    best = 1.0 / fixed_time[0]
     floor = best * (1.0 - REL_TIE)
-    near = [(best, 0, 0)]  # (ratio, size, node mask) of every subtree that was near the best when scored
+    near = [(best, 0, 0)]  # (ratio, size, node mask) of each subtree that was near the best when scored
+    keep = near.append
     subtrees = 1
-    # Each stack entry is a scored subtree that may still grow: (size, expert union, 1 + prob sum, node mask,
-    # candidates). Including candidate i leaves candidates i+1.. plus i's children, so each set appears once.
-    stack = [(0, root_bits, 1.0, 0, tuple(roots))] if budget else []
-    pop, push, keep = stack.pop, stack.append, near.append
-    while stack:
-        size, union, mass, mask, cands = pop()
-        size += 1
-        fixed = intercepts[size]
-        grow = size < budget
-        subtrees += len(cands)
-        for i, v in enumerate(cands):
-            u = union | node_bits[v]
-            m = mass + probs[v]
-            r = m / (fixed + beta * u.bit_count())
-            if r >= floor:
-                if r > best:
-                    best, floor = r, r * (1.0 - REL_TIE)
-                keep((r, size, mask | onehot[v]))
-            if grow:
-                rest = cands[i + 1 :] + children[v]
+    # Grow subtrees one node at a time. A subtree is (shared-expert union, time of its own experts, 1 + prob sum,
+    # node mask, candidates); adding candidate i leaves candidates i+1.. plus i's children, so each ancestor-closed
+    # set is generated exactly once.
+    level = [(0, 0.0, 1.0, 0, tuple(roots))]
+    for size in range(1, budget + 1):
+        fixed = fixed_time[size]
+        grown = []
+        push = grown.append
+        for union, paid, mass, mask, cands in level:
+            subtrees += len(cands)
+            base = fixed + paid
+            if size == budget:  # the last size: score, grow nothing
+                for v in cands:
+                    r = (mass + probs[v]) / (base + own_time[v] + beta * (union | shared_bits[v]).bit_count())
+                    if r >= floor:
+                        if r > best:
+                            best, floor = r, r * (1.0 - REL_TIE)
+                        keep((r, size, mask | onehot[v]))
+                continue
+            i = 0
+            for v in cands:
+                i += 1
+                u = union | shared_bits[v]
+                m = mass + probs[v]
+                mk = mask | onehot[v]
+                r = m / (base + own_time[v] + beta * u.bit_count())
+                if r >= floor:
+                    if r > best:
+                        best, floor = r, r * (1.0 - REL_TIE)
+                    keep((r, size, mk))
+                rest = cands[i:] + children[v]
                 if rest:
-                    push((size, u, m, mask | onehot[v], rest))
+                    push((u, paid + own_time[v], m, mk, rest))
+        level = grown
 
     _, nodes = min((s, _members(mk, n)) for r, s, mk in near if r >= floor)
-    return _selection(nodes, probs, node_bits, root_bits, intercepts, beta, subtrees)
+    return _selection(nodes, probs, full_bits, root_bits, intercepts, beta, subtrees)
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:
@@ -193,8 +210,11 @@ def _check_cost(cost, max_nodes) -> tuple[list[float], float]:
     return intercepts[: max_nodes + 1], float(cost.beta)
 
 
-def _pack_routes(routes, root_routes, n: int) -> tuple[list[int], int]:
-    """Pack each node's [layers, experts] routes into one int of layers * experts bits (bit = layer * E + expert)."""
+def _pack_routes(routes, root_routes, n: int):
+    """Check shapes; return the routes as bool ``[N, layers * experts]`` and as one int per node and for the root.
+
+    Bit ``layer * num_experts + expert`` of a node's int is set when the node routes to that expert in that layer.
+    """
     root = np.asarray(root_routes)
     routes = np.asarray(routes)
     if root.ndim != 2:
@@ -204,8 +224,48 @@ def _pack_routes(routes, root_routes, n: int) -> tuple[list[int], int]:
             f"routes has shape {routes.shape}, expected {(n, *root.shape)} "
             "([num_nodes, num_layers, num_experts] matching parents and root_routes)"
         )
-    root_bits = int.from_bytes(np.packbits(root.astype(bool, copy=False), axis=None, bitorder="little"), "little")
-    if n == 0:
-        return [], root_bits
-    packed = np.packbits(routes.astype(bool, copy=False).reshape(n, -1), axis=1, bitorder="little")  # [N, bytes]
-    return [int.from_bytes(row, "little") for row in packed], root_bits
+    root_bits = _to_int(np.packbits(root.astype(bool, copy=False), axis=None, bitorder="little"))
+    flat = routes.astype(bool, copy=False).reshape(n, root.size)  # [N, layers * experts]
+    return flat, _rows_to_ints(np.packbits(flat, axis=1, bitorder="little")), root_bits
+
+
+def _split_demand(parents, flat, bits, root_bits):
+    """Shrink the bitmaps the walk ORs, without changing any subtree's demand.
+
+    Verified sets are ancestor-closed, so an expert that the root or an ancestor of ``v`` asks for is already paid
+    when ``v`` joins: only ``v``'s *new* experts matter. A new expert of ``v`` that no other node newly asks for costs
+    exactly 1 when ``v`` is in the set: it becomes a count, ``own[v]``. Only experts that two or more nodes newly ask
+    for (siblings and cousins sharing) stay as bits, gathered into short ints (a few hundred bits instead of
+    layers * experts). Those ints keep all of ``v``'s routes in the shared columns, not only its new ones: the extra
+    bits belong to an ancestor, which is in any set ``v`` is in, so no union changes. For an ancestor-closed ``S``:
+    ``demand(S) = root_demand + sum(own[v] for v in S) + popcount(OR of shared_bits[v] for v in S)``.
+
+    Returns:
+        (shared_bits per node, own per node, root_demand)
+    """
+    n = len(parents)
+    closed, new = [0] * n, [0] * n  # closed[v]: experts of the root, v's ancestors and v
+    seen = shared = 0
+    for v, p in enumerate(parents):
+        above = root_bits if p < 0 else closed[p]
+        closed[v] = above | bits[v]
+        x = new[v] = closed[v] ^ above
+        shared |= seen & x
+        seen |= x
+    own = [x.bit_count() - (x & shared).bit_count() for x in new]
+    width = flat.shape[1]
+    columns = np.unpackbits(
+        np.frombuffer(shared.to_bytes(-(-width // 8), "little"), np.uint8), count=width, bitorder="little"
+    ).view(bool)  # [layers * experts], True where two or more nodes newly ask for the expert
+    shared_bits = _rows_to_ints(np.packbits(flat.compress(columns, axis=1), axis=1, bitorder="little"))
+    return shared_bits, own, root_bits.bit_count()
+
+
+def _rows_to_ints(packed) -> list[int]:
+    # One bytes object, sliced per row: much cheaper than iterating over NumPy row views.
+    width, buf = packed.shape[1], packed.tobytes()
+    return [int.from_bytes(buf[i * width : (i + 1) * width], "little") for i in range(packed.shape[0])]
+
+
+def _to_int(packed) -> int:
+    return int.from_bytes(packed.tobytes(), "little")
