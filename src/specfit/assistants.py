@@ -120,6 +120,9 @@ def register_assistant(name: str, factory: Callable, *, replace: bool = False) -
 
 
 def resolve_assistant(name) -> Callable:
+    """A registered name, or a factory itself: ``factory(model) -> TreeCandidateGenerator``."""
+    if callable(name):
+        return name
     if name not in ASSISTANTS:
         raise ValueError(f"unknown assistant {name!r}; registered: {sorted(ASSISTANTS)}")
     return ASSISTANTS[name]

@@ -111,9 +111,10 @@ def device_name(runtime) -> str:
 
 def _cpu_model() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
@@ -125,13 +126,19 @@ def resolve_cost_model(model):
     warning)."""
     from .cost_model import CostModel, profile_path
 
+    from .cost_model import ProfileError
+
     runtime = model.specfit
     cm = runtime.cost_model
     if isinstance(cm, CostModel):
         return cm
-    if cm is not None:
-        runtime.cost_model = CostModel.load(cm)
-        return runtime.cost_model
+    if cm is not None:  # an explicit profile: the setup fields it records must match this model
+        loaded = CostModel.load(cm)
+        for field, want in (("slots", runtime.config.cache_slots), ("cache_mode", runtime.config.cache_mode)):
+            if field in loaded.meta and loaded.meta[field] != want:
+                raise ProfileError(f"{cm}: field {field!r} is {loaded.meta[field]!r}, expected {want!r}")
+        runtime.cost_model = loaded
+        return loaded
     key = dict(device_name=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,
                cache_mode=runtime.config.cache_mode)
     for path in (profile_path(**key), reference_profile_path(**key)):

@@ -71,10 +71,12 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         cycle = Cycle(model, cache, base=seam.kv_length(cache), root=int(run.ids[0, -1]))
         tree = gen.draft(cycle)  # 1. draft
         nodes = gen.select(tree, cycle)  # 2. select
+        t_drafted = time.perf_counter()
         layout = verify_layout(tree, nodes, cycle.root, cycle.base, seam.kv_capacity(cache, len(nodes) + 1),
                                out.logits.dtype, runtime.device)
         out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=layout.mask,
                     use_cache=True, logits_to_keep=0)  # 3. verify
+        verify = runtime.stats.last_forward
         tokens = layout.tokens[0].tolist()
         acc = walk(layout.children, tokens, lambda t, accepted: run.scores(out.logits[0, t], accepted),
                    do_sample)  # 4. accept
@@ -83,8 +85,9 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         run.commit(acc)  # 6. observe
         if not run.done:
             gen.observe(runtime.aux_capture.features()[:, kept], torch.tensor([acc.tokens], device=runtime.device))
-        scope.cycle(pool=len(tree), verified=len(nodes), committed=len(acc.tokens),
-                    seconds=time.perf_counter() - t0 - cycle.untimed_seconds, untimed=cycle.untimed_seconds)
+        scope.cycle(pool=len(tree), verified=len(nodes), committed=len(acc.tokens), demand=verify.demand,
+                    misses=verify.misses, seconds=time.perf_counter() - t0 - cycle.untimed_seconds,
+                    untimed=cycle.untimed_seconds, draft_seconds=t_drafted - t0 - cycle.untimed_seconds)
 
     scope.end(new_tokens=run.ids.shape[1] - input_ids.shape[1])
     if streamer is not None:

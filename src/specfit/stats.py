@@ -81,6 +81,7 @@ class Stats:
     last_prefill: Counters = field(default_factory=Counters)
     last_generate: Counters = field(default_factory=Counters)
     scope: "GenerateScope | None" = field(default=None, repr=False)
+    trace: list | None = field(default=None, repr=False)  # set to [] to record one CycleRecord per decoding cycle
 
     def reset(self) -> None:
         self.total, self.last_forward = Counters(), Counters()
@@ -103,6 +104,19 @@ class Stats:
                 f"new_tokens={t.new_tokens})")
 
 
+@dataclass(frozen=True)
+class CycleRecord:
+    """One decoding cycle: draft nodes verified, expert demand and misses of its verify forward, timed seconds."""
+
+    n_nodes: int
+    demand: int
+    seconds: float
+    pool: int
+    committed: int
+    misses: int
+    draft_seconds: float  # the part of `seconds` spent drafting and selecting (phases 1-2)
+
+
 class GenerateScope:
     """Accounts one ``generate()`` call: prefill counters, then the decode phase (cycles, tokens, timed seconds)."""
 
@@ -117,7 +131,10 @@ class GenerateScope:
             self.after_prefill = self.stats.total.copy()
             self.t_prefill = time.perf_counter()
 
-    def cycle(self, pool: int, verified: int, committed: int, seconds: float, untimed: float) -> None:
+    def cycle(self, pool: int, verified: int, committed: int, seconds: float, untimed: float, demand: int,
+              misses: int, draft_seconds: float) -> None:
+        if self.stats.trace is not None:
+            self.stats.trace.append(CycleRecord(verified, demand, seconds, pool, committed, misses, draft_seconds))
         t = self.stats.total
         t.cycles += 1
         t.nodes_drafted += pool

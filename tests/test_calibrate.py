@@ -1,0 +1,95 @@
+"""Calibration on CPU with the emulated link, the route oracle as a measurement device, and profile lookup."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import SelfDrafter, tiny_moe
+
+import specfit
+from specfit.calibrate import calibrate
+from specfit.cost_model import CostModel, ProfileError, profile_path
+from specfit.decoding import device_name, model_id, resolve_cost_model
+from specfit.route_sources import Cycle, oracle_routes
+from specfit.tree import DraftTree
+
+PROMPTS = [torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
+
+
+def random_drafter(model, seed=0):
+    from specfit.drafter import Eagle3Config, Eagle3Drafter
+
+    torch.manual_seed(seed)
+    config = Eagle3Config.from_target(model.config, draft_vocab_size=256, intermediate_size=128)
+    config.aux_layer_ids = (0, 1, 3)
+    return Eagle3Drafter(config)
+
+
+def test_fitted_beta_recovers_emulated_link():
+    """Cleared cache: every expert of demand is one emulated copy of 5 ms; the fit must find ~5 ms per expert."""
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=16, cache_mode="cleared", link=5e-3, drafter=random_drafter(model),
+                   depth=3, pool_nodes=10)
+    cost, records = calibrate(model, PROMPTS, probes=90, warmup=1, max_new_tokens=50)
+    assert len(records) == 90
+    assert len({r.n_nodes for r in records}) >= 6  # the probes span subtree sizes
+    assert abs(cost.beta - 5e-3) / 5e-3 < 0.15, f"beta {cost.beta * 1e3:.3f} ms"
+    assert cost.meta["cache_mode"] == "cleared" and cost.meta["slots"] == 16 and "emulated" in cost.meta["link"]
+    assert cost.meta["r2"] > 0.9
+
+
+def test_oracle_leaves_cache_and_counters_untouched():
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=3, drafter=SelfDrafter(model, first_token=int(PROMPTS[0][0, 0])))
+    ids = PROMPTS[0]
+    cache_kv = __import__("transformers").DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache_kv, use_cache=True)
+    rt = model.specfit
+    before = rt.stats.total.copy()
+    resident = [layer.cache.lru.resident for layer in rt.layers]
+    last_routes = rt.routes.last.clone()
+    kv_len = cache_kv.get_seq_length()
+    tree = DraftTree()
+    a = tree.add(-1, 5, 0.5)
+    tree.add(-1, 6, 0.3)
+    tree.add(a, 7, 0.2)
+    cycle = Cycle(model, cache_kv, base=kv_len, root=9)
+    routes, root_routes = oracle_routes(cycle, tree)
+    assert rt.stats.total == before
+    assert [layer.cache.lru.resident for layer in rt.layers] == resident
+    assert torch.equal(rt.routes.last, last_routes)
+    assert cache_kv.get_seq_length() == kv_len and cycle.untimed_seconds > 0
+    # the oracle's routes are the true ones: a plain forward of the root->node path routes the same way
+    for node, path in ((0, [9, 5]), (2, [9, 5, 7]), (1, [9, 6])):
+        reference = tiny_moe()
+        with torch.no_grad():
+            out = reference(torch.cat([ids, torch.tensor([path])], 1), output_router_logits=True)
+        want = np.stack([torch.softmax(lg[-1].float(), -1).topk(4).indices.sort().values.numpy()
+                         for lg in out.router_logits])
+        got = np.stack([np.flatnonzero(routes[node, layer]) for layer in range(4)])
+        assert (got == want).all()
+    assert root_routes.sum() == 16
+
+
+def test_enable_finds_profile_or_warns(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFIT_CACHE", str(tmp_path))
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=4, drafter=SelfDrafter(model, first_token=1))
+    with pytest.warns(RuntimeWarning, match="no calibrated cost profile"):
+        assert resolve_cost_model(model).meta["source"] == "default"
+    specfit.disable(model)
+    specfit.enable(model, cache_slots=4, drafter=SelfDrafter(model, first_token=1))
+    rt = model.specfit
+    mine = CostModel((0.01,) * 8, 1e-4, {"slots": 4, "cache_mode": "cached"})
+    mine.save(profile_path(device_name(rt), model_id(model), 4, "cached"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_cost_model(model) == mine
+    specfit.disable(model)
+    wrong = tmp_path / "wrong.json"
+    CostModel((0.01,) * 8, 1e-4, {"slots": 8, "cache_mode": "cached"}).save(wrong)
+    specfit.enable(model, cache_slots=4, cost_model=str(wrong), drafter=SelfDrafter(model, first_token=1))
+    with pytest.raises(ProfileError, match=r"wrong\.json: field 'slots' is 8, expected 4"):
+        resolve_cost_model(model)
