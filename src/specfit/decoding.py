@@ -121,12 +121,36 @@ def _cpu_model() -> str:
 
 
 def resolve_cost_model(model):
-    """The cost model for the selector: the one given to ``enable``, else the calibrated profile for this device,
-    model, slot count and cache mode, else a shipped reference profile, else the documented default (with a loud
-    warning)."""
+    """The cost model for the selector: the one given to ``enable``, else a calibrated profile (see
+    ``find_profile``), else the documented default, with a loud warning."""
+    runtime = model.specfit
+    found = find_profile(model)
+    if found is not None:
+        runtime.cost_model = found
+        return found
+    key = profile_key(model)
     from .cost_model import CostModel, profile_path
 
-    from .cost_model import ProfileError
+    warnings.warn(
+        f"no calibrated cost profile for device {key['device_name']!r}, model {key['model_id']!r}, "
+        f"{key['slots']} slots, cache mode {key['cache_mode']!r} (looked for {profile_path(**key)}): SpecFit uses "
+        f"the default cost model (the paper's A100 beta), which can pick poor subtrees here. Run `specfit calibrate`.",
+        RuntimeWarning, stacklevel=3)
+    runtime.cost_model = CostModel.default(runtime.options.max_nodes)
+    return runtime.cost_model
+
+
+def profile_key(model) -> dict:
+    runtime = model.specfit
+    return dict(device_name=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,
+                cache_mode=runtime.config.cache_mode)
+
+
+def find_profile(model):
+    """The explicit profile given to ``enable`` (checked against this setup), else this machine's calibrated profile
+    in the user cache, else a reference profile shipped in ``calibration/`` for the same model, slots, cache mode and
+    link (measured on another machine: a warning says so); None when there is none."""
+    from .cost_model import CostModel, ProfileError, profile_path
 
     runtime = model.specfit
     cm = runtime.cost_model
@@ -137,22 +161,17 @@ def resolve_cost_model(model):
         for field, want in (("slots", runtime.config.cache_slots), ("cache_mode", runtime.config.cache_mode)):
             if field in loaded.meta and loaded.meta[field] != want:
                 raise ProfileError(f"{cm}: field {field!r} is {loaded.meta[field]!r}, expected {want!r}")
-        runtime.cost_model = loaded
         return loaded
-    key = dict(device_name=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,
-               cache_mode=runtime.config.cache_mode)
-    for path in (profile_path(**key), reference_profile_path(**key)):
-        if path is not None and path.is_file():
-            runtime.cost_model = CostModel.load(path, expect={"slots": key["slots"],
-                                                              "cache_mode": key["cache_mode"]})
-            return runtime.cost_model
-    warnings.warn(
-        f"no calibrated cost profile for device {key['device_name']!r}, model {key['model_id']!r}, "
-        f"{key['slots']} slots, cache mode {key['cache_mode']!r} (looked for {profile_path(**key)}): SpecFit uses "
-        f"the default cost model (the paper's A100 beta), which can pick poor subtrees here. Run `specfit calibrate`.",
-        RuntimeWarning, stacklevel=3)
-    runtime.cost_model = CostModel.default(runtime.options.max_nodes)
-    return runtime.cost_model
+    key = profile_key(model)
+    path = profile_path(**key)
+    if path.is_file():
+        return CostModel.load(path, expect={"slots": key["slots"], "cache_mode": key["cache_mode"]})
+    reference = reference_profile(key, runtime.link_label)
+    if reference is not None and reference.meta.get("device") != key["device_name"]:
+        warnings.warn(f"using the reference cost profile measured on {reference.meta.get('device')!r} for this "
+                      f"{key['device_name']!r}; run `specfit calibrate` to fit this machine", RuntimeWarning,
+                      stacklevel=4)
+    return reference
 
 
 def model_id(model) -> str:
@@ -160,12 +179,25 @@ def model_id(model) -> str:
                type(model).__name__)
 
 
-def reference_profile_path(device_name, model_id, slots, cache_mode):
-    """Reference profiles shipped with the package (``specfit/calibration/``), for the embedded model."""
-    from importlib.resources import files
+def reference_profile(key: dict, link_label: str):
+    """A profile shipped in ``calibration/`` (package ``specfit.calibration``) for the same model, slots, cache mode
+    and link, preferring one measured on this very device."""
+    import json
+    from importlib.resources import as_file, files
 
-    from .cost_model import profile_path
+    from .cost_model import FORMAT, CostModel
 
-    name = profile_path(device_name, model_id, slots, cache_mode).name
-    path = files("specfit").joinpath("calibration", name)
-    return path if path.is_file() else None
+    matches = []
+    for entry in files("specfit.calibration").iterdir():
+        if not entry.name.endswith(".json"):
+            continue
+        data = json.loads(entry.read_text())
+        if data.get("format") != FORMAT:
+            continue
+        if (data.get("model_id"), data.get("slots"), data.get("cache_mode"), data.get("link")) == \
+                (key["model_id"], key["slots"], key["cache_mode"], link_label):
+            matches.append((data.get("device") != key["device_name"], entry.name, entry))
+    if not matches:
+        return None
+    with as_file(min(matches)[2]) as path:
+        return CostModel.load(path)

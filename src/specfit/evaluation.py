@@ -1,0 +1,155 @@
+"""Side-by-side measurement of decoding methods on the embedded model: the shared core of ``specfit demo`` and
+``specfit bench``.
+
+A *method* is a row of the paper's table: ``ar`` (no assistant), ``eagle3-vanilla`` (EAGLE-3 with the slot cache
+cleared before every forward), ``eagle3`` (EAGLE-3 with the cache) and ``specfit`` (SpecFit with the same cache).
+Each method runs on its own model instance, so caches never mix, and the methods take turns prompt by prompt, so a
+slow stretch of a noisy machine hits them all alike. Times are the decode phase (prefill excluded); the route
+oracle's forwards are excluded too (a measurement device, as in the paper).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .stats import Counters
+
+METHODS = ("ar", "eagle3-vanilla", "eagle3", "specfit")
+LABELS = {"ar": "AR", "eagle3-vanilla": "EAGLE-3 vanilla", "eagle3": "EAGLE-3 + cache", "specfit": "SpecFit + cache"}
+ASSISTANT = {"ar": None, "eagle3-vanilla": "eagle3", "eagle3": "eagle3", "specfit": "specfit"}
+
+# The emulated host link for the embedded model: one expert copy costs this long, chosen so that one token's full
+# expert demand (6 layers x top-4 = 24 copies) takes about 1.4x one token's compute, as on the paper's A100
+# (measured on the reference CPU; `specfit bench` prints the ratio on the machine it runs on).
+EMBEDDED_LINK_S = 0.35e-3
+
+
+@dataclass
+class Row:
+    method: str
+    workload: str
+    slots: str  # "24" .. or "none" (cleared before every forward)
+    regime: str  # "no link" | "emulated link"
+    prompts: int
+    new_tokens: int
+    tok_s: float
+    nodes_per_cycle: float
+    tokens_per_cycle: float
+    cycle_ms: float
+    copies_per_token: float
+    hit_rate: float
+    untimed_s: float
+
+    @classmethod
+    def of(cls, method, workload, slots, regime, prompts, c: Counters) -> "Row":
+        return cls(method, workload, slots, regime, prompts, c.new_tokens, c.tokens_per_second, c.nodes_per_cycle,
+                   c.tokens_per_cycle, c.seconds_per_cycle * 1e3, c.copies_per_token, c.hit_rate,
+                   c.untimed_seconds)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_instances(methods, slots: int | None, link_s: float | None, route_source: str = "oracle",
+                   cost_model=None) -> dict:
+    """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared)."""
+    from . import embedded
+    from .link import LinkConfig
+
+    num_experts = None
+    out = {}
+    for method in methods:
+        cleared = slots is None or method == "eagle3-vanilla"
+        n = slots
+        if n is None:
+            if num_experts is None:
+                from transformers import AutoConfig
+
+                num_experts = AutoConfig.from_pretrained(embedded.TARGET_DIR).num_experts
+            n = num_experts
+        model, tokenizer = embedded.load(n, cache_mode="cleared" if cleared else "cached",
+                                         link=LinkConfig(seconds_per_expert=link_s) if link_s else None,
+                                         route_source=route_source,
+                                         cost_model=cost_model if method == "specfit" else None)
+        out[method] = model
+    return out, tokenizer
+
+
+def run_side_by_side(instances: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int, warmup: int = 1,
+                     on_prompt=None) -> dict[str, Counters]:
+    """Greedy decoding of every prompt with every method in turn; returns summed decode-phase counters."""
+    totals = {m: Counters() for m in instances}
+    texts = {m: [] for m in instances}
+    for i, ids in enumerate(prompt_ids):
+        for method, model in instances.items():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 assistant=ASSISTANT[method])
+            if i >= warmup or len(prompt_ids) <= warmup:
+                totals[method] += model.specfit.stats.last_generate
+            texts[method].append(out[0, ids.shape[1]:])
+        reference = texts[next(iter(instances))][-1]
+        for method in instances:  # lossless: every method must produce the same tokens
+            if not torch.equal(texts[method][-1], reference):
+                raise AssertionError(f"{method} produced different greedy tokens than {next(iter(instances))} on "
+                                     f"prompt {i}: lossless decoding is broken")
+        if on_prompt is not None:
+            on_prompt(i)
+    return totals, texts
+
+
+def token_compute_seconds(model, ids: torch.Tensor, repeats: int = 20) -> float:
+    """Median time of one decode forward with every expert resident and no link (the compute of one token)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        times = []
+        token = ids[:, -1:]
+        for _ in range(repeats + 3):
+            t0 = time.perf_counter()
+            model(token, cache=cache, use_cache=True)
+            times.append(time.perf_counter() - t0)
+            cache.crop(-1)
+    times = sorted(times[3:])
+    return times[len(times) // 2]
+
+
+def format_table(rows: list[Row], title: str) -> str:
+    head = f"{'method':<17}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}{'copies/tok':>12}"
+    lines = [title, head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{LABELS[r.method]:<17}{r.tok_s:>8.1f}{r.nodes_per_cycle:>11.2f}{r.tokens_per_cycle:>9.2f}"
+                     f"{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}")
+    return "\n".join(lines)
+
+
+# The paper's figures (Qwen3-30B-A3B-Instruct-2507, A100 PCIe 40GB, 48 slots of 128, batch 1), for reference only.
+PAPER = {
+    "cnn": {"ar": 4.67, "eagle3-vanilla": 4.21, "eagle3": 6.80, "specfit": 8.27,
+            "nodes": {"eagle3": 7.00, "specfit": 2.88}, "tokens": {"eagle3": 2.54, "specfit": 2.21},
+            "cycle_ms": {"eagle3": 371.7, "specfit": 265.8}, "copies": {"eagle3": 73.4, "specfit": 57.2}},
+    "gsm8k": {"ar": 4.70, "eagle3-vanilla": 6.26, "eagle3": 10.08, "specfit": 10.79,
+              "nodes": {"eagle3": 7.00, "specfit": 5.09}, "tokens": {"eagle3": 4.35, "specfit": 4.01},
+              "cycle_ms": {"eagle3": 429.8, "specfit": 370.4}, "copies": {"eagle3": 92.7, "specfit": 82.0}},
+    "gain_by_slots": {"48": 21.6, "24": 24.3, "12": 29.2, "none": 31.6},
+}
+
+
+def paper_table() -> str:
+    lines = ["The paper's figures, for reference (Qwen3-30B-A3B on an A100 PCIe 40GB, 48 of 128 slots) - not ours:",
+             f"{'workload':<9}{'method':<17}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}"
+             f"{'copies/tok':>12}"]
+    for w in ("cnn", "gsm8k"):
+        p = PAPER[w]
+        for m in METHODS:
+            extra = (f"{p['nodes'][m]:>11.2f}{p['tokens'][m]:>9.2f}{p['cycle_ms'][m]:>10.1f}{p['copies'][m]:>12.1f}"
+                     if m in p["nodes"] else f"{'':>11}{'':>9}{'':>10}{'':>12}")
+            lines.append(f"{w:<9}{LABELS[m]:<17}{p[m]:>8.2f}{extra}")
+    g = PAPER["gain_by_slots"]
+    lines.append("SpecFit over cached EAGLE-3 by slots (48/24/12/none of 128): "
+                 + ", ".join(f"{k}: +{v}%" for k, v in g.items()))
+    return "\n".join(lines)
