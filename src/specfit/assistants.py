@@ -6,7 +6,9 @@ A tree candidate generator owns phases 1 (draft), 2 (select) and 6 (observe) of 
   EAGLE-3 itself would verify: the ``max_nodes`` pool nodes with the highest path probability (EAGLE-2's reranking;
   always ancestor-closed). The paper's baseline.
 - ``"specfit"``: after each drafted level, runs the SpecFit selector on the pool so far and stops drafting when the
-  winning subtree takes no node of the newest level; verifies exactly the winner.
+  winning subtree takes no node of the newest level; verifies exactly the winner. Options: where draft-node routes
+  come from (``route_source``), prefetching the winner's experts while the next level is drafted (``prefetch``),
+  and a cache-aware cost in which resident experts are free (``cost="cache-aware"``).
 
 Register your own with ``register_assistant(name, factory)``; ``factory(model)`` returns a ``TreeCandidateGenerator``.
 """
@@ -83,26 +85,49 @@ class SpecFitGenerator(Eagle3Generator):
         super().__init__(model)
         from .decoding import resolve_cost_model
 
+        runtime = self.runtime = model.specfit
+        opts = runtime.options
         self.cost = resolve_cost_model(model)
+        if opts.cost == "cache-aware":
+            self.cost = cache_aware_model(self.cost)
         if self.cost.max_nodes < self.max_nodes:
             raise ValueError(f"the cost model predicts up to {self.cost.max_nodes} nodes but max_nodes is "
                              f"{self.max_nodes}; recalibrate or lower max_nodes")
-        self.routes = resolve_route_source(model.specfit.options.route_source)
+        self.routes = resolve_route_source(model, opts.route_source)
+        self.cache_aware = opts.cost == "cache-aware"
+        self.prefetch = opts.prefetch
         self.winner = None
 
     def draft(self, cycle):
         """Draft level by level; stop when the best subtree takes nothing from the newest level."""
+        cycle.drafter = self.drafter
         tree = DraftTree()
         for tree in self.drafter.levels():
             node_routes, root_routes = self.routes(cycle, tree)
+            if self.cache_aware:  # resident experts cost nothing: drop them from the demand
+                resident = self.runtime.resident_mask()  # [L, E]
+                node_routes, root_routes = node_routes & ~resident, root_routes & ~resident
             self.winner = select_subtree(tree.parents, tree.path_probs, node_routes, root_routes, self.cost,
                                          self.max_nodes)
+            if self.prefetch:  # start copying what the winner needs while the next level is drafted
+                self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
             if not takes_from_level(self.winner, tree.depths, tree.depth):
                 break
         return tree
 
     def select(self, tree, cycle):
         return self.winner.nodes
+
+
+def cache_aware_model(cost):
+    """The profile's second fit, on expert *misses* instead of demand (``specfit calibrate`` stores both)."""
+    from .cost_model import CostModel
+
+    extra = cost.meta.get("cache_aware")
+    if not extra:
+        raise ValueError("cost='cache-aware' needs a profile fitted on misses too; recalibrate with this version of "
+                         "`specfit calibrate`")
+    return CostModel(tuple(extra["intercepts"]), extra["beta"], {"source": "cache-aware fit"})
 
 
 ASSISTANTS: dict[str, Callable] = {"eagle3": Eagle3Generator, "specfit": SpecFitGenerator}

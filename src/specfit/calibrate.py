@@ -69,14 +69,23 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
         runtime.stats.trace = None
     meta = dict(device=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,
                 cache_mode=runtime.config.cache_mode, link=runtime.link_label, probe="specfit.calibrate/probes.json")
+    # the same probes fitted on expert *misses*: the cache-aware cost option (resident experts are free)
+    try:
+        on_misses = CostModel.fit(_records(cycles, use_misses=True), max_nodes=runtime.options.max_nodes)
+        meta["cache_aware"] = dict(intercepts=list(on_misses.intercepts), beta=on_misses.beta,
+                                   r2=on_misses.meta["r2"])
+    except ValueError as err:  # e.g. every expert resident: misses never vary
+        meta["cache_aware"] = None
+        meta["cache_aware_error"] = str(err)
     return CostModel.fit(records, max_nodes=runtime.options.max_nodes, **meta), records
 
 
-def _records(cycles) -> list[Record]:
+def _records(cycles, use_misses: bool = False) -> list[Record]:
     """Probes always draft the full pool, so drafting time does not depend on the verified subtree: each record
     carries the MEAN drafting time plus its own post-drafting time. Same expectation, far less noise for beta."""
     draft = sum(c.draft_seconds for c in cycles) / len(cycles) if cycles else 0.0
-    return [Record(c.n_nodes, c.demand, draft + c.seconds - c.draft_seconds) for c in cycles]
+    return [Record(c.n_nodes, c.misses if use_misses else c.demand, draft + c.seconds - c.draft_seconds)
+            for c in cycles]
 
 
 # --- the command ------------------------------------------------------------------------------------------------

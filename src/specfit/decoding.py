@@ -21,8 +21,16 @@ class DecodingOptions:
     pool_nodes: int = 18  # draft pool node budget
     max_nodes: int = 7  # draft nodes verified per cycle at most (EAGLE-3 verifies exactly this many)
     route_source: str = "oracle"  # where SpecFit's selector gets draft-node routes (see route_sources.py)
+    prefetch: bool = False  # copy the current winner's (predicted) experts while the next level is drafted
+    cost: str = "paper"  # "paper": beta per expert of demand; "cache-aware": resident experts cost nothing
 
     def __post_init__(self):
+        from .route_sources import ROUTE_SOURCES
+
+        if self.route_source not in ROUTE_SOURCES:
+            raise ValueError(f"unknown route_source {self.route_source!r}; registered: {sorted(ROUTE_SOURCES)}")
+        if self.cost not in ("paper", "cache-aware"):
+            raise ValueError(f"cost must be 'paper' or 'cache-aware', got {self.cost!r}")
         for name in ("topk", "depth", "pool_nodes", "max_nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_nodes" else 1):
@@ -58,12 +66,19 @@ class AuxCapture:
             handle.remove()
 
 
-def attach_decoding(model, drafter=None, cost_model=None, **options) -> None:
+def attach_decoding(model, drafter=None, cost_model=None, route_predictor=None, **options) -> None:
     runtime = model.specfit
     runtime.options = DecodingOptions(**options)
     runtime.cost_model = cost_model
     if drafter is not None:
         set_drafter(model, drafter)
+    if route_predictor is not None:
+        from .route_predictor import RoutePredictor
+
+        runtime.route_predictor = route_predictor if isinstance(route_predictor, torch.nn.Module) else \
+            RoutePredictor.load(route_predictor, model)
+    if runtime.options.prefetch and runtime.config.cache_mode == "cleared":
+        raise ValueError("prefetch=True needs cache_mode='cached': a cleared cache drops prefetched experts")
 
 
 def set_drafter(model, drafter) -> None:
@@ -74,7 +89,14 @@ def set_drafter(model, drafter) -> None:
     if runtime.aux_capture is not None:
         runtime.aux_capture.remove()
     if not isinstance(drafter, torch.nn.Module):
-        drafter = load_drafter(drafter, target=model)
+        from pathlib import Path
+
+        from .route_predictor import CONFIG, RoutePredictor
+
+        folder = Path(drafter)
+        drafter = load_drafter(folder, target=model)
+        if (folder / CONFIG).is_file():  # a route predictor saved beside the drafter
+            runtime.route_predictor = RoutePredictor.load(folder, model)
     weight = model.get_input_embeddings().weight
     drafter.to(device=runtime.device, dtype=weight.dtype)
     if getattr(drafter, "embed_tokens", None) is None:

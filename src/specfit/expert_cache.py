@@ -89,6 +89,8 @@ class LayerCache:
         self.slots = torch.empty(num_slots, store.expert_numel, dtype=dtype, device=device)  # [N, 3IH]
         self._scratch: torch.Tensor | None = None  # [2, 3IH], allocated on first overflow
         self._scratch_free: list = [None, None]  # CUDA events: compute finished with each scratch buffer
+        self._pending: dict[int, object] = {}  # slot -> ticket of a prefetch copy no forward has waited on yet
+        self._prefetched: set[int] = set()  # experts prefetched since the last forward
 
     @property
     def num_slots(self) -> int:
@@ -96,11 +98,29 @@ class LayerCache:
 
     def clear(self) -> None:
         self.lru.clear()
+        self._pending.clear()
+        self._prefetched.clear()
+
+    def prefetch(self, experts: list[int], counters: Counters) -> None:
+        """Copy the non-resident ``experts`` into slots now (LRU eviction; none are streamed) without waiting."""
+        plan = self.lru.plan(experts)
+        if plan.loads:
+            self.engine.before_overwrite()
+        arena = self.store.arenas[self.layer]
+        for e, slot in plan.loads:
+            before = counters.bytes_copied
+            self._pending[slot] = self.engine.copy(self.slots[slot], arena[e], counters)
+            counters.prefetch_bytes += counters.bytes_copied - before
+            counters.prefetch_copies += 1
+            self._prefetched.add(e)
 
     def fetch(self, needed: list[int], counters: Counters) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield (expert, flat device weights [3IH]) for every needed expert; count demand, hits and copies."""
         arena = self.store.arenas[self.layer]
         plan = self.lru.plan(needed)
+        if self._prefetched:  # wasted: prefetched, but not a hit of this forward (unneeded, or evicted meanwhile)
+            counters.prefetch_wasted += len(self._prefetched - {e for e, _ in plan.hits})
+            self._prefetched.clear()
         counters.demand += len(needed)
         counters.hits += len(plan.hits)
         counters.misses += plan.misses
@@ -109,7 +129,12 @@ class LayerCache:
             self.engine.before_overwrite()
         tickets = [self.engine.copy(self.slots[slot], arena[e], counters) for e, slot in plan.loads]
         for e, slot in plan.hits:
+            ticket = self._pending.pop(slot, None)  # a prefetched expert: its copy may still be in flight
+            if ticket is not None:
+                self.engine.wait(ticket, counters)
             yield e, self.slots[slot]
+        for slot in (s for _, s in plan.loads):
+            self._pending.pop(slot, None)  # overwritten: the old prefetch is moot (copies are ordered)
         for (e, slot), ticket in zip(plan.loads, tickets):
             self.engine.wait(ticket, counters)
             yield e, self.slots[slot]

@@ -5,14 +5,14 @@
   link) and outside the timed path; the KV entries it writes are dropped again. Not deployable: it costs a forward.
 - Predictors (``"gate"``, ``"predictor"``) estimate routes from the drafter's state without touching the target.
 
-A route source is any callable ``source(cycle, tree) -> (node_routes [N, L, E], root_routes [L, E])``, registered in
-``ROUTE_SOURCES`` by name.
+A route source is any callable ``source(cycle, tree) -> (node_routes [N, L, E], root_routes [L, E])``; ``ROUTE_SOURCES``
+maps names to factories ``factory(model) -> source``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -31,7 +31,7 @@ class Cycle:
     base: int  # committed positions in the target KV cache; the root goes to position `base`
     root: int  # the root token
     untimed_seconds: float = 0.0  # measurement-only work, excluded from the timed path
-    notes: dict = field(default_factory=dict)
+    drafter: object = None  # the TreeDrafter of this cycle (route predictors read node states from it)
 
 
 def oracle_routes(cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
@@ -50,20 +50,55 @@ def oracle_routes(cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray
     return routes[1:], routes[0]
 
 
-ROUTE_SOURCES: dict[str, Callable] = {"oracle": oracle_routes}
+class PredictedRoutes:
+    """Routes of the root and the pool from the drafter's states, through a ``RoutePredictor`` (or the target's own
+    routers for ``"gate"``). Part of the timed path: it is what a deployment pays."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def __call__(self, cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+        drafter = cycle.drafter
+        states = torch.cat([drafter.root_state[None], drafter.states(list(range(len(tree))))])  # [N+1, H]
+        routes = self.head.routes(states).cpu().numpy()  # [N+1, L, E]
+        return routes[1:], routes[0]
 
 
-def register_route_source(name: str, source: Callable) -> None:
+def gate_routes(model) -> PredictedRoutes:
+    from .route_predictor import RoutePredictor
+
+    drafter = model.specfit.drafter
+    hidden = model.get_input_embeddings().weight.shape[1]
+    if drafter is not None and drafter.config.hidden_size != hidden:
+        raise ValueError(f"the 'gate' route source applies the target's routers ([E, {hidden}]) to drafter states of "
+                         f"width {drafter.config.hidden_size}; train a predictor (`specfit train-router`) instead")
+    return PredictedRoutes(RoutePredictor.from_gates(model))
+
+
+def predictor_routes(model) -> PredictedRoutes:
+    head = model.specfit.route_predictor
+    if head is None:
+        raise ValueError("route_source='predictor' needs a trained route predictor: pass route_predictor=FOLDER to "
+                         "specfit.enable, or keep route_predictor.safetensors beside the drafter "
+                         "(`specfit train-router` writes it)")
+    return PredictedRoutes(head)
+
+
+# name -> factory(model) -> source(cycle, tree)
+ROUTE_SOURCES: dict[str, Callable] = {"oracle": lambda model: oracle_routes, "gate": gate_routes,
+                                      "predictor": predictor_routes}
+
+
+def register_route_source(name: str, factory: Callable) -> None:
+    """``factory(model) -> source``, where ``source(cycle, tree) -> (node_routes [N, L, E], root_routes [L, E])``."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"route source name must be an identifier, got {name!r}")
-    if not callable(source):
-        raise TypeError(f"route source {name!r} must be callable (cycle, tree) -> (node_routes, root_routes)")
-    ROUTE_SOURCES[name] = source
+    if not callable(factory):
+        raise TypeError(f"route source {name!r} needs a factory(model) -> source(cycle, tree)")
+    ROUTE_SOURCES[name] = factory
 
 
-def resolve_route_source(source) -> Callable:
-    if callable(source):
-        return source
-    if source not in ROUTE_SOURCES:
-        raise ValueError(f"unknown route source {source!r}; registered: {sorted(ROUTE_SOURCES)}")
-    return ROUTE_SOURCES[source]
+def resolve_route_source(model, name: str) -> Callable:
+    if name not in ROUTE_SOURCES:
+        raise ValueError(f"unknown route source {name!r}; registered: {sorted(ROUTE_SOURCES)}")
+    return ROUTE_SOURCES[name](model)

@@ -46,7 +46,7 @@ class SpecFitRuntime:
         self.drafter = None
         self.options = None
         self.cost_model = None
-        self.route_source = None
+        self.route_predictor = None
         self.aux_capture = None
         self._restore = None  # what disable() needs; set by enable()
 
@@ -61,6 +61,21 @@ class SpecFitRuntime:
     @property
     def link_label(self) -> str:
         return self.config.link.label if self.config.link else "real copies"
+
+    def resident_mask(self):
+        """bool [layers, experts]: which experts sit in a device slot now."""
+        import numpy as np
+
+        mask = np.zeros((len(self.layers), self.num_experts), dtype=bool)
+        for i, layer in enumerate(self.layers):
+            mask[i, list(layer.cache.lru.resident)] = True
+        return mask
+
+    def prefetch(self, experts) -> None:
+        """Start copying the experts of bool [layers, experts] that are not resident (no forward waits on them
+        yet). Counted as copies; those the next forward does not use are counted as wasted."""
+        for layer, row in zip(self.layers, experts):
+            layer.cache.prefetch([int(e) for e in row.nonzero()[0]], self.stats.total)
 
     def clear_cache(self) -> None:
         """Empty every slot of every layer."""

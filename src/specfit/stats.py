@@ -21,6 +21,9 @@ class Counters:
     streamed: int = 0  # misses copied through scratch because every slot was in use by the same forward
     bytes_copied: int = 0
     copy_seconds: float = 0.0  # time compute waited for copies (measured, or emulated when a link is set)
+    prefetch_copies: int = 0  # copies started ahead of a forward (SpecFit's prefetch during drafting)
+    prefetch_bytes: int = 0
+    prefetch_wasted: int = 0  # prefetched experts the next forward did not need
     # speculative decoding (generate calls with an assistant)
     cycles: int = 0
     nodes_drafted: int = 0  # draft pool size, summed over cycles
@@ -47,8 +50,13 @@ class Counters:
         return self.hits / self.demand if self.demand else 0.0
 
     @property
+    def copies(self) -> int:
+        """Every host-to-device expert copy: misses of forwards plus prefetches."""
+        return self.misses + self.prefetch_copies
+
+    @property
     def copies_per_token(self) -> float:
-        return self.misses / self.new_tokens if self.new_tokens else 0.0
+        return self.copies / self.new_tokens if self.new_tokens else 0.0
 
     @property
     def nodes_per_cycle(self) -> float:
@@ -68,7 +76,7 @@ class Counters:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for name in ("hit_rate", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle", "seconds_per_cycle",
+        for name in ("copies", "hit_rate", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle", "seconds_per_cycle",
                      "tokens_per_second"):
             out[name] = getattr(self, name)
         return out

@@ -1,0 +1,129 @@
+"""``specfit train-router``: a route predictor for draft nodes, trained on what decoding actually sees.
+
+Pairs are collected while decoding calibration prompts (GSM8K *train* questions and OpenStax passages in the
+summarisation format) with the EAGLE-3 tree: for every pool node and the root, the drafter's state and the node's
+true routes from the route oracle. The head (layers x experts x hidden, initialised from the target's routers) is
+trained with a per-layer softmax cross-entropy towards the true top-k set, and saved beside the drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import torch
+
+from ..assistants import Eagle3Generator
+from ..route_predictor import RoutePredictor, recall
+from ..route_sources import oracle_routes
+
+
+class CollectingGenerator(Eagle3Generator):
+    """EAGLE-3 decoding that records (drafter state, true routes) for the root and every pool node."""
+
+    def __init__(self, model, sink: list):
+        super().__init__(model)
+        self.sink = sink
+
+    def draft(self, cycle):
+        tree = super().draft(cycle)
+        node_routes, root_routes = oracle_routes(cycle, tree)
+        states = torch.cat([self.drafter.root_state[None], self.drafter.states(list(range(len(tree))))])
+        routes = torch.cat([torch.from_numpy(root_routes)[None], torch.from_numpy(node_routes)])
+        self.sink.append((states.float().cpu(), routes))
+        return tree
+
+
+def collect(model, prompt_ids, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    sink: list = []
+    for ids in prompt_ids:
+        model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                       assistant=lambda m: CollectingGenerator(m, sink))
+    return torch.cat([s for s, _ in sink]), torch.cat([r for _, r in sink])  # [N, H], [N, L, E]
+
+
+def loss_fn(head: RoutePredictor, states: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(head(states), dim=-1)  # [N, L, E]
+    return -(logp * routes).sum(-1).div(routes.sum(-1).clamp(min=1)).mean()
+
+
+def train(head: RoutePredictor, states, routes, epochs: int = 30, lr: float = 3e-3, batch: int = 256,
+          seed: int = 0) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for _ in range(epochs):
+        order = torch.randperm(len(states), generator=g)
+        for i in range(0, len(states), batch):
+            idx = order[i:i + batch]
+            loss = loss_fn(head, states[idx], routes[idx].float())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="target checkpoint (default: the embedded model)")
+    p.add_argument("--drafter", default=None, help="drafter folder (default: the embedded drafter)")
+    p.add_argument("--out", default=None, help="where to save (default: beside the drafter)")
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+
+
+def main(args) -> int:
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from .. import datasets, embedded
+    from ..loader import from_pretrained
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model_dir = Path(args.model) if args.model else embedded.TARGET_DIR
+    drafter_dir = Path(args.drafter) if args.drafter else embedded.DRAFTER_DIR
+    out = Path(args.out) if args.out else drafter_dir
+    from transformers import AutoConfig
+
+    num_experts = AutoConfig.from_pretrained(model_dir).num_experts  # all resident: collection is not timed
+    model = from_pretrained(model_dir, cache_slots=num_experts, dtype=torch.float32, device="cpu",
+                            drafter=str(drafter_dir))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(args.seed)
+    half = args.num_prompts // 2
+    texts = [datasets.GSM8K_PROMPT.format(question=r["question"]) for r in datasets.gsm8k("train", 2000)]
+    texts = rng.sample(texts, half)
+    sections = [r["text"] for r in datasets.openstax() if len(r["text"]) > 800]
+    texts += [datasets.CNN_PROMPT.format(article=t[:1500]) for t in rng.sample(sections, args.num_prompts - half)]
+    ids = [tokenizer(t, return_tensors="pt").input_ids[:, -450:] for t in texts]
+
+    t0 = time.time()
+    states, routes = collect(model, ids, args.max_new_tokens)
+    order = torch.randperm(len(states), generator=torch.Generator().manual_seed(args.seed))
+    split = int(0.85 * len(states))
+    tr, te = order[:split], order[split:]
+    gate = RoutePredictor.from_gates(model)
+    head = RoutePredictor.from_gates(model)
+    losses = train(head, states[tr], routes[tr], epochs=args.epochs, seed=args.seed)
+    with torch.no_grad():
+        r_gate = recall(gate.routes(states[te]), routes[te])
+        r_pred = recall(head.routes(states[te]), routes[te])
+    head.save(out)
+    report = dict(pairs=len(states), train=len(tr), heldout=len(te), epochs=args.epochs, final_loss=losses[-1],
+                  recall_gate_per_layer=r_gate.tolist(), recall_predictor_per_layer=r_pred.tolist(),
+                  recall_gate=float(r_gate.mean()), recall_predictor=float(r_pred.mean()),
+                  prompts=f"{half} GSM8K train questions + {args.num_prompts - half} OpenStax passages",
+                  seconds=time.time() - t0)
+    (out / "route_predictor_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{len(states)} (state, routes) pairs from {len(ids)} prompts; held out {len(te)}")
+    print("per-layer top-k recall on held-out pairs:")
+    print("  gate      " + " ".join(f"{x:.3f}" for x in r_gate.tolist()) + f"   mean {float(r_gate.mean()):.3f}")
+    print("  predictor " + " ".join(f"{x:.3f}" for x in r_pred.tolist()) + f"   mean {float(r_pred.mean()):.3f}")
+    print(f"saved to {out}")
+    return 0
