@@ -61,7 +61,7 @@ def train(head: RoutePredictor, states, routes, epochs: int = 30, lr: float = 3e
             opt.zero_grad()
             loss.backward()
             opt.step()
-        losses.append(float(loss))
+        losses.append(loss.detach().item())
     return losses
 
 

@@ -1,0 +1,119 @@
+"""Route sources for draft nodes: gate and trained predictors, prefetch during drafting, the cache-aware cost."""
+
+import pytest
+import torch
+from conftest import SelfDrafter, tiny_moe
+from test_calibrate import random_drafter
+
+import specfit
+from specfit.calibrate import calibrate
+from specfit.cost_model import CostModel
+from specfit.decoding import configure
+from specfit.route_predictor import RoutePredictor, recall
+from specfit.training.router import collect, train
+
+PROMPT = torch.randint(2, 256, (1, 11), generator=torch.Generator().manual_seed(11))
+COST = CostModel((0.010, 0.0105, 0.011, 0.0115, 0.012, 0.0125, 0.013, 0.0135), 2e-4)
+
+
+def test_recall_by_hand():
+    true = torch.zeros(2, 1, 6, dtype=torch.bool)
+    true[0, 0, [0, 1]] = True
+    true[1, 0, [2, 3]] = True
+    pred = torch.zeros_like(true)
+    pred[0, 0, [0, 5]] = True
+    pred[1, 0, [2, 3]] = True
+    assert recall(pred, true).tolist() == [0.75]
+
+
+def test_gate_head_is_the_targets_router():
+    model = tiny_moe()
+    head = RoutePredictor.from_gates(model)
+    h = torch.randn(5, 64)
+    want = torch.stack([torch.softmax(h @ m.mlp.gate.weight.T, -1).topk(4).indices.sort().values
+                        for m in model.model.layers], 1)  # [5, L, 4]
+    got = head.routes(h)
+    assert (got.sum(-1) == 4).all()
+    assert torch.equal(got.nonzero()[:, 2].view(5, 4, 4), want)
+
+
+def test_save_load_and_mismatch(tmp_path):
+    model = tiny_moe()
+    head = RoutePredictor.from_gates(model)
+    with torch.no_grad():
+        head.bias.add_(0.5)
+    head.save(tmp_path)
+    again = RoutePredictor.load(tmp_path, model)
+    h = torch.randn(3, 64)
+    assert torch.equal(again(h), head(h))
+    with pytest.raises(ValueError, match=r"is for \(layers, experts, hidden\) = \(4, 16, 64\)"):
+        RoutePredictor.load(tmp_path, tiny_moe(num_experts=8))
+
+
+def test_training_learns_a_linear_router():
+    torch.manual_seed(0)
+    truth = RoutePredictor(3, 16, 32, 4)
+    with torch.no_grad():
+        truth.weight.normal_()
+    states = torch.randn(3000, 32)
+    routes = truth.routes(states)
+    head = RoutePredictor(3, 16, 32, 4)
+    before = recall(head.routes(states[2500:]), routes[2500:]).mean()
+    train(head, states[:2500], routes[:2500], epochs=30, lr=1e-2)
+    after = recall(head.routes(states[2500:]), routes[2500:]).mean()
+    assert before < 0.5 < 0.9 < after
+
+
+def test_collected_pairs_are_true_routes():
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=16, drafter=random_drafter(model))
+    states, routes = collect(model, [PROMPT], max_new_tokens=6)
+    assert states.shape[1] == 64 and routes.shape[1:] == (4, 16)
+    assert len(states) == len(routes) and len(states) % 19 == 0  # root + 18 pool nodes per cycle
+    assert (routes.sum(-1) == 4).all()
+
+
+@pytest.mark.parametrize("route_source", ["gate", "predictor", "oracle"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_specfit_with_predicted_routes_and_prefetch_is_lossless(route_source, prefetch):
+    expected = tiny_moe().generate(PROMPT, max_new_tokens=24, do_sample=False)
+    model = tiny_moe()
+    drafter = SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3, sharpen=8.0)
+    predictor = RoutePredictor.from_gates(model) if route_source == "predictor" else None
+    specfit.enable(model, cache_slots=5, drafter=drafter, cost_model=COST, route_source=route_source,
+                   prefetch=prefetch, route_predictor=predictor, link=2e-4)
+    out = model.generate(PROMPT, max_new_tokens=24, do_sample=False, assistant="specfit")
+    assert torch.equal(out, expected)
+    g = model.specfit.stats.last_generate
+    assert g.nodes_per_cycle > 0
+    if prefetch:
+        assert g.prefetch_copies > 0 and 0 <= g.prefetch_wasted <= g.prefetch_copies
+        assert g.copies == g.misses + g.prefetch_copies
+        if route_source == "oracle":  # true routes: the verify forwards hit what was prefetched
+            assert g.prefetch_wasted < g.prefetch_copies
+    else:
+        assert g.prefetch_copies == 0
+
+
+def test_predictor_source_needs_a_predictor():
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=4, drafter=random_drafter(model), cost_model=COST, route_source="predictor")
+    with pytest.raises(ValueError, match="needs a trained route predictor"):
+        model.generate(PROMPT, max_new_tokens=3, assistant="specfit")
+    with pytest.raises(ValueError, match="unknown route_source 'atlas'"):
+        configure(model, route_source="atlas")
+    with pytest.raises(ValueError, match="prefetch=True needs cache_mode='cached'"):
+        specfit.enable(tiny_moe(), cache_slots=4, cache_mode="cleared", prefetch=True)
+
+
+def test_cache_aware_cost_is_lossless_and_needs_its_fit():
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=5, drafter=SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3),
+                   cost_model=COST, cost="cache-aware")
+    with pytest.raises(ValueError, match="cache-aware"):
+        model.generate(PROMPT, max_new_tokens=3, assistant="specfit")
+    fitted, _ = calibrate(model, [PROMPT], probes=24, warmup=1, max_new_tokens=40)
+    assert fitted.meta["cache_aware"]["beta"] >= 0
+    model.specfit.cost_model = fitted
+    expected = tiny_moe().generate(PROMPT, max_new_tokens=20, do_sample=False)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False, assistant="specfit"), expected)
