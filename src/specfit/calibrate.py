@@ -106,7 +106,8 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--seed", type=int, default=PROBES["seed"])
     p.add_argument("--out", default=None, help="profile path (default: the user cache, where enable() looks)")
-    p.add_argument("--plot", default=None, help="PNG of predicted vs measured cycle time (needs matplotlib)")
+    p.add_argument("--plot", default=None,
+                   help="PNG of predicted vs measured cycle time (default: beside the profile; needs matplotlib)")
 
 
 def main(args) -> int:
@@ -124,8 +125,7 @@ def main(args) -> int:
     cost.save(path)
     print(describe(cost))
     print(f"profile written to {path}")
-    if args.plot:
-        plot_fit(cost, records, args.plot)
+    plot_fit(cost, records, args.plot or str(path).removesuffix(".json") + ".png")
     return 0
 
 
