@@ -59,6 +59,8 @@ def build_splits(seed: int = 0, gsm8k_val: int = 300, openstax_val_frac: float =
     rng = random.Random(seed)
     gsm = list(gsm8k("train") if gsm8k_rows is None else gsm8k_rows)
     book = list(openstax() if openstax_rows is None else openstax_rows)
+    if len(gsm) <= gsm8k_val:
+        raise ValueError(f"{len(gsm)} GSM8K train rows leave none for training after holding out {gsm8k_val}")
     rng.shuffle(gsm)
     rng.shuffle(book)
     n_book_val = max(1, round(openstax_val_frac * len(book)))

@@ -137,10 +137,18 @@ def collect_appended_routes(model, window: torch.Tensor, positions: np.ndarray, 
         ok[T + r, : positions[r // C] + 1] = True
         ok[T + r, T + r] = True
     mask = torch.zeros(S, S, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[None, None]
-    out = model(input_ids=ids[None], attention_mask=mask, position_ids=pos[None], output_router_logits=True,
-                use_cache=False)
-    K = model.config.num_experts_per_tok
-    return np.stack([lg[T:].float().topk(K, dim=-1).indices.reshape(P, C, K).numpy() for lg in out.router_logits])
+    # Routes come from hooks on the routers: output_router_logits would also compute the aux loss, which
+    # expects a 2-D attention mask.
+    indices = []
+    gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    hooks = [g.register_forward_hook(lambda mod, inp, out: indices.append(out[2])) for g in gates]
+    try:
+        model(input_ids=ids[None], attention_mask=mask, position_ids=pos[None], output_router_logits=False,
+              use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return np.stack([idx[T:].reshape(P, C, -1).numpy() for idx in indices])
 
 
 def routing_stats(model, windows: torch.Tensor, max_k: int = 8, sibling_positions: int = 192,

@@ -162,9 +162,12 @@ def train(model, streams: dict, cfg: TrainConfig, work: Path, resume: bool = Fal
     sampler = corpus.WindowSampler(streams["train"], cfg.seq_len, seed=cfg.seed)
     val = {s: corpus.fixed_windows(a, cfg.seq_len, cfg.eval_windows) for s, a in streams["val"].items()}
     state = {"step": 0, "train_wall_s": 0.0, "history": [], "config": asdict(cfg)}
+    work.mkdir(parents=True, exist_ok=True)
     ckpt = work / CHECKPOINT
     if resume and ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False)
+        if saved["config"] != asdict(cfg):  # the schedule and sampling depend on every field
+            raise ValueError(f"{ckpt} was written with {saved['config']}, not {asdict(cfg)}")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         sampler.load_state_dict(saved["sampler"])
@@ -214,6 +217,8 @@ def save_final(model, tokenizer, out: Path) -> None:
     model.generation_config = GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
     model.to(torch.bfloat16).save_pretrained(out)  # transformers 5 always writes safetensors
     tokenizer.save_pretrained(out)
+    for f in out.iterdir():
+        f.chmod(0o644)  # the weights are written 0600; they ship in the package
 
 
 @torch.no_grad()
@@ -275,9 +280,8 @@ def model_card(report: dict) -> str:
     cfg, tr, val, corp = report["model_config"], report["train"], report["val"], report["corpus"]
     titles, authors = _openstax_books(corp["books"])
     tok = corp["tokens"]["train"]
-    first, last = report["history"][0], report["history"][-1]
     lines = [
-        "---", "library_name: transformers", "pipeline_tag: text-generation", "license: cc-by-4.0", "---", "",
+        "---", "library_name: transformers", "pipeline_tag: text-generation", "license: apache-2.0", "---", "",
         "# SpecFit embedded target: a tiny Qwen3-MoE", "",
         f"A `Qwen3MoeForCausalLM` with {report['params'] / 1e6:.2f} M parameters ({cfg['num_hidden_layers']} layers, "
         f"hidden {cfg['hidden_size']}, {cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}), trained from "
@@ -291,6 +295,7 @@ def model_card(report: dict) -> str:
         'ids = tokenizer("Question: ...\\nAnswer:", return_tensors="pt").input_ids',
         "print(tokenizer.decode(model.generate(ids, max_new_tokens=100)[0]))", "```", "",
         "## Training data and licenses", "",
+        "The weights are released under Apache-2.0, like the SpecFit package. They were trained on:", "",
         f"* **GSM8K train** (openai/grade-school-math, MIT license): {corp['documents']['train']['gsm8k']} examples "
         f"for training, {corp['documents']['val']['gsm8k']} held out for validation, written as "
         "`Question: {question}\\nAnswer: {answer}<|endoftext|>`. The GSM8K test split was not trained on.",
@@ -309,18 +314,19 @@ def model_card(report: dict) -> str:
         f"({report['tokens_seen'] / 1e6:.1f} M tokens), lr {tr['lr']} (betas {tuple(tr['betas'])}, weight decay "
         f"{tr['weight_decay']} except norms, router and embeddings), {tr['warmup_steps']} warm-up steps then cosine "
         f"to {tr['min_lr_ratio']:g} x lr, grad clip {tr['grad_clip']}, router aux loss coefficient "
-        f"{cfg['router_aux_loss_coef']}, seed {tr['seed']}. Training took {report['train_wall_s'] / 60:.1f} min on 2 "
-        "CPU cores (`specfit train-target`).", "",
+        f"{cfg['router_aux_loss_coef']}, seed {tr['seed']}. Training took {report['train_wall_s'] / 60:.1f} min on a shared 2-core "
+        f"CPU with {report['threads']} torch thread(s) (`specfit train-target`).", "",
         "## Validation (saved bf16 weights, evaluated in fp32)", "",
         "| held-out text | windows x tokens | cross-entropy (nats/token) | perplexity |", "|---|---|---|---|"]
+    n_val = corp["documents"]["val"]
     lines += [f"| {name} | {v['windows']} x {tr['seq_len']} | {v['ce']:.3f} | {v['ppl']:.1f} |" for name, v in
-              (("GSM8K val (300 train examples)", val["gsm8k"]), ("OpenStax val sections", val["openstax"]))]
-    lines += ["", "Validation during training (16 windows per source):", "",
+              ((f"GSM8K val ({n_val['gsm8k']} held-out train examples)", val["gsm8k"]),
+               (f"OpenStax val ({n_val['openstax']} held-out sections)", val["openstax"]))]
+    lines += ["", f"Validation during training ({tr['eval_windows']} windows per source):", "",
               "| step | tokens | train CE | aux | val CE GSM8K | val CE OpenStax |", "|---|---|---|---|---|---|"]
     lines += [f"| {h['step']} | {h['tokens'] / 1e6:.2f} M | {h['train_ce']:.3f} | {h['aux']:.2f} | "
               f"{h['val_ce_gsm8k']:.3f} | {h['val_ce_openstax']:.3f} |" for h in report["history"]]
-    lines += ["", f"(from step {first['step']} to {last['step']})", "",
-              "## Routing statistics (GSM8K test text, statistics only)", "", summary(report["routing"]), "",
+    lines += ["", "## Routing statistics (GSM8K test text, statistics only)", "", summary(report["routing"]), "",
               format_tables(report["routing"]), "## Greedy samples (GSM8K test questions)", ""]
     for i, s in enumerate(report["samples"], 1):
         lines += [f"{i}. {s['question']} (gold answer {s['gold']})", "", "   ```",
@@ -334,6 +340,8 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import Qwen3MoeForCausalLM
+
+    from specfit.training.routing_stats import format_tables
 
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else out / "checkpoints"
@@ -352,20 +360,19 @@ def main(args) -> int:
         return 0
     save_final(model, tokenizer, out)
     final = measure(out, streams, cfg.seq_len, args.final_eval_windows, args.stats_windows)
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    report = {"preset": args.preset, "model_config": PRESETS[args.preset] | {k: v for k, v in COMMON.items()},
+    report = {"preset": args.preset, "model_config": {**PRESETS[args.preset], **COMMON},
               "params": sum(p.numel() for p in model.parameters()), "train": asdict(cfg), "corpus": info,
+              "threads": torch.get_num_threads(),
               "steps": state["step"], "tokens_seen": state["step"] * cfg.batch_size * cfg.seq_len,
-              "train_wall_s": round(state["train_wall_s"], 1), "history": state["history"], **final}
+              "train_wall_s": round(state["train_wall_s"], 1), "process_wall_s": round(time.time() - t0, 1),
+              "history": state["history"], **final}
     (out / "training_report.json").write_text(json.dumps(report, indent=1))
     (out / "README.md").write_text(model_card(report))
     report["folder_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     (out / "training_report.json").write_text(json.dumps(report, indent=1))
-    from specfit.training.routing_stats import format_tables
-
     print(format_tables(final["routing"]))
     print(json.dumps(final["val"], indent=1))
-    print(f"saved to {out} ({report['folder_bytes'] / 1e6:.1f} MB, weights were {size / 1e6:.1f} MB before the card)")
+    print(f"saved to {out} ({report['folder_bytes'] / 1e6:.1f} MB)")
     return 0
 
 
