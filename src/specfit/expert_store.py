@@ -83,12 +83,14 @@ class ExpertStore:
             warnings.warn(f"pin=True but CUDA is not available: {self.weight_bytes} bytes of experts stay in "
                           f"pageable memory", RuntimeWarning, stacklevel=3)
             return
+        # created first, so arenas pinned before a failure are unpinned too
+        self._finalizer = weakref.finalize(self, _unregister, self._registered, self.arenas)
         cudart = torch.cuda.cudart()
         for arena in self.arenas:
             nbytes = arena.numel() * arena.element_size()
             err = int(cudart.cudaHostRegister(arena.data_ptr(), nbytes, 0))
             if err != 0:
-                torch.cuda.synchronize()  # a failed registration must not poison later CUDA calls
+                _clear_cuda_error()  # the runtime keeps the error; the next launch would raise it otherwise
                 warnings.warn(
                     f"pinning the expert arenas failed (cudaError {err}) after {self.pinned_bytes} of "
                     f"{self.weight_bytes} bytes: the rest stays in PAGEABLE memory, so its host-to-device copies "
@@ -97,7 +99,6 @@ class ExpertStore:
                 return
             self._registered.append(arena.data_ptr())
             self.pinned_bytes += nbytes
-        self._finalizer = weakref.finalize(self, _unregister, self._registered, self.arenas)
 
     def release(self) -> None:
         """Unpin and drop the arenas."""
@@ -108,6 +109,23 @@ class ExpertStore:
     def __repr__(self) -> str:
         return (f"ExpertStore(layers={len(self.arenas)}, experts={self.num_experts}, expert_bytes={self.expert_bytes},"
                 f" weight_bytes={self.weight_bytes}, pinned_bytes={self.pinned_bytes})")
+
+
+def _clear_cuda_error() -> None:
+    """Consume the CUDA runtime's sticky last error (cudaGetLastError), which torch's cudart binding lacks."""
+    import ctypes
+
+    getter = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if getter is not None:
+        getter()
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "libcudart" in line)
+        ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, StopIteration):
+        warnings.warn("could not clear the CUDA error left by the failed pin; later CUDA calls may report it",
+                      RuntimeWarning, stacklevel=4)
 
 
 def _unregister(ptrs: list[int], arenas) -> None:

@@ -48,6 +48,8 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
         link = LinkConfig(seconds_per_expert=float(link))
     config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin)
     device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
+    if link is not None and device.type == "cuda":
+        raise ValueError("link= emulates a host link for CPU studies; on CUDA the copies are real: leave it unset")
 
     restore_params = store is None  # params existed and must come back on disable
     param_device, param_dtype, requires_grad = torch.device("cpu"), None, False
