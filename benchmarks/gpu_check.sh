@@ -1,0 +1,351 @@
+#!/usr/bin/env bash
+# SpecFit's prepared GPU check: one script, <= 8 minutes on an H200, one summary, one log file.
+#
+# usage: bash benchmarks/gpu_check.sh [--dry-run] [--stages LIST] [OUT_DIR]
+#
+#   OUT_DIR     where the log (gpu_check.log, everything printed) and the JSON results go; default: $OUT
+#   --stages    comma-separated subset of: env,pytest,bandwidth,checkpoint,calibrate,decode (default: all;
+#               env always runs; calibrate and decode need checkpoint)
+#   --dry-run   print the settings and the plan, run nothing
+#   -h, --help  this text
+#
+# Stages, each under its own time limit (and all under TOTAL_BUDGET):
+#   env         package path without network: carried wheels from .whl/ (bash benchmarks/gpu_wheels.sh, run
+#               beforehand where PyPI is reachable) + specfit; versions (transformers >= 5.24), nvidia-smi
+#   pytest      pytest -m cuda tests/test_cuda.py
+#   bandwidth   H2D time of one real-size expert (9,437,184 bytes, bf16) from a cudaHostRegister'd arena (as
+#               ExpertStore pins), from torch.empty(pin_memory=True), and from pageable memory
+#   checkpoint  a synthetic checkpoint with the real Qwen3-30B-A3B per-layer shapes but LAYERS of its 48 layers
+#               (the machine's 64 GiB disk cannot hold the full 61 GB one), random weights, + a random EAGLE-3
+#               drafter; written under WORK on local disk and deleted at the end (KEEP=1 keeps it)
+#   calibrate   specfit calibrate with SLOTS slots, cache modes cached and cleared: beta per expert (the paper,
+#               A100 over PCIe 4.0: 0.211 ms cached, 0.408 ms cleared)
+#   decode      benchmarks/decode_check.py: AR, EAGLE-3 and SpecFit (oracle routes, the cached profile)
+#
+# Environment: LAYERS (12), SLOTS (48), WORK (/tmp/specfit-gpu-check), TOTAL_BUDGET seconds (470), PYTHON (python3),
+# KEEP (0), CAL_ARGS (extra calibrate arguments: "--max-new-tokens 48", enough for the 40 probes from one prompt),
+# DECODE_PROMPTS (2), DECODE_TOKENS (24). To exercise the plumbing on a CPU machine (one thread: several threads on
+# a busy 2-core machine made tiny decodes ~70x slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12
+# DECODE_PROMPTS=1 DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --stages env,checkpoint,calibrate,decode DIR For a dry run of the plumbing on a CPU machine: ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12
+# --stages env,checkpoint,calibrate,decode.
+set -uo pipefail
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+ALL_STAGES="env pytest bandwidth checkpoint calibrate decode"
+OUTDIR="" DRY=0 STAGES="${ALL_STAGES// /,}"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --dry-run) DRY=1; shift ;;
+        --stages) [ $# -ge 2 ] || { echo "gpu_check.sh: --stages needs a value" >&2; exit 2; }; STAGES="$2"; shift 2 ;;
+        --stages=*) STAGES="${1#*=}"; shift ;;
+        --) shift; [ $# -gt 0 ] && { OUTDIR="$1"; shift; } ;;
+        -*) echo "gpu_check.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+        *) [ -z "$OUTDIR" ] || { echo "gpu_check.sh: one output folder only (got $OUTDIR and $1)" >&2; exit 2; }
+           OUTDIR="$1"; shift ;;
+    esac
+done
+[ $# -eq 0 ] || { echo "gpu_check.sh: unexpected arguments: $*" >&2; exit 2; }
+OUTDIR="${OUTDIR:-${OUT:-}}"
+[ -n "$OUTDIR" ] || { echo "gpu_check.sh: no output folder: pass one, or set OUT" >&2; usage >&2; exit 2; }
+for s in ${STAGES//,/ }; do
+    [[ " $ALL_STAGES " == *" $s "* ]] || { echo "gpu_check.sh: unknown stage '$s' (stages: $ALL_STAGES)" >&2; exit 2; }
+done
+mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd) || { echo "gpu_check.sh: cannot create $OUTDIR" >&2; exit 2; }
+cd "$(dirname "$0")/.." || exit 2
+LOG="$OUTDIR/gpu_check.log"
+
+PRESET=${PRESET:-qwen3-30b-a3b}
+LAYERS=${LAYERS:-12}
+SLOTS=${SLOTS:-48}
+WORK=${WORK:-/tmp/specfit-gpu-check}
+TOTAL_BUDGET=${TOTAL_BUDGET:-470}
+PY=${PYTHON:-python3}
+KEEP=${KEEP:-0}
+CAL_ARGS=${CAL_ARGS---max-new-tokens 48}
+DECODE_PROMPTS=${DECODE_PROMPTS:-2}
+DECODE_TOKENS=${DECODE_TOKENS:-24}
+SITE="$WORK/site"
+declare -A BUDGET=([env]=45 [pytest]=80 [bandwidth]=30 [checkpoint]=90 [calibrate]=70 [decode]=85)
+RESERVE=10  # seconds kept for cleanup and the summary
+NAMES=() RESULTS=() SECONDS_USED=()
+
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+export SPECFIT_CACHE="$WORK/specfit-cache"  # profiles go to OUT_DIR explicitly; keep the user cache clean
+
+wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+record() {  # name status seconds
+    NAMES+=("$1") RESULTS+=("$2") SECONDS_USED+=("$3")
+    echo "=== [$1] $2 (${3}s)"
+}
+
+# run_stage NAME BUDGET CMD...: CMD under `timeout`, capped by what is left of TOTAL_BUDGET
+run_stage() {
+    local name=$1 budget=$2; shift 2
+    local left=$((DEADLINE - $(date +%s) - RESERVE))
+    local limit=$((budget < left ? budget : left))
+    if [ "$limit" -lt 5 ]; then record "$name" "SKIPPED (total budget spent)" 0; return 1; fi
+    echo
+    echo "=== [$name] limit ${limit}s: $*"
+    local t0; t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$TMPD/$name.out"
+    local rc=${PIPESTATUS[0]}
+    local dt=$(($(date +%s) - t0))
+    case $rc in
+        0) record "$name" PASS "$dt" ;;
+        124|137) record "$name" "TIMEOUT (limit ${limit}s)" "$dt" ;;
+        *) record "$name" "FAIL (exit $rc)" "$dt" ;;
+    esac
+    return "$rc"
+}
+
+stage_env() {
+    echo "python: $(command -v "$PY") ($("$PY" --version 2>&1))"
+    mkdir -p "$SITE"
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE/deps" .whl/*.whl || { echo "FAIL: installing the carried wheels from .whl/"; return 1; }
+        echo "carried wheels installed into $SITE/deps: $(cd .whl && echo *.whl)"
+    else
+        echo "no .whl/ folder: using the image's packages (bash benchmarks/gpu_wheels.sh beforehand, carry .whl)"
+    fi
+    # specfit itself: built from pyproject.toml without network; else a copy of src/specfit (+ calibration/ data)
+    if timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir \
+        --target "$SITE/pkg" . >"$TMPD/pip-specfit.log" 2>&1; then
+        echo "specfit built from pyproject.toml into $SITE/pkg"
+    else
+        echo "pip could not build specfit offline (last lines below); using a copy of src/specfit"
+        tail -n 5 "$TMPD/pip-specfit.log"
+        rm -rf "$SITE/pkg" && mkdir -p "$SITE/pkg" && cp -r src/specfit "$SITE/pkg/"
+        if [ -d calibration ] && [ ! -d src/specfit/calibration ]; then cp -r calibration "$SITE/pkg/specfit/"; fi
+    fi
+    export PYTHONPATH="$SITE/pkg:$SITE/deps${PYTHONPATH:+:$PYTHONPATH}"
+    "$PY" - <<'EOF' || return 1
+import importlib, os, sys
+import torch
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+try:
+    import transformers  # runs transformers' own import-time dependency version checks
+except Exception as e:
+    sys.exit(f"FAIL: import transformers: {type(e).__name__}: {e}")
+for name in ("transformers", "accelerate", "safetensors", "huggingface_hub", "tokenizers", "numpy", "scipy", "regex"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"  {name:16s} {getattr(mod, '__version__', '?'):12s} {mod.__file__}")
+    except Exception as e:
+        print(f"  {name:16s} MISSING ({type(e).__name__}: {e})")
+from packaging.version import Version
+if Version(transformers.__version__) < Version("5.24"):
+    sys.exit(f"FAIL: transformers {transformers.__version__} is too old: SpecFit needs >= 5.24. Run "
+             f"`bash benchmarks/gpu_wheels.sh` where PyPI is reachable and carry .whl to this machine.")
+if not torch.cuda.is_available() and os.environ.get("ALLOW_CPU") != "1":
+    sys.exit("FAIL: torch.cuda.is_available() is False")
+import specfit, specfit.calibrate, specfit.loader, specfit.patch
+print(f"specfit {specfit.__version__} from {specfit.__file__}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    device = f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, sm_{p.major}{p.minor}"
+else:
+    device = "no GPU (ALLOW_CPU=1)"
+print(f"RESULT env: torch {torch.__version__}, transformers {transformers.__version__}, {device}")
+EOF
+    command -v nvidia-smi >/dev/null || { echo "nvidia-smi: not found"; return 0; }
+    nvidia-smi || echo "nvidia-smi failed"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,clocks.max.sm \
+        --format=csv || true
+    echo "cores: $(nproc); memory: $(free -g | awk '/Mem:/ {print $2 " GiB total, " $7 " GiB available"}');" \
+         "memlock: $(ulimit -l); disk at $WORK: $(df -h --output=avail "$WORK" | tail -n1 | tr -d ' ') free"
+}
+
+read -r -d '' BANDWIDTH_PY <<'EOF'
+import statistics, time, torch
+E_BYTES = 3 * 768 * 2048 * 2  # one Qwen3-30B-A3B expert in bf16
+N = 64  # experts per source buffer (576 MiB): copies cycle through its rows
+dst = torch.empty(8, E_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+stream = torch.cuda.Stream()
+cudart = torch.cuda.cudart()
+
+def source(kind):
+    t = torch.empty(N, E_BYTES // 2, dtype=torch.bfloat16, pin_memory=(kind == "pin_memory"))
+    t.fill_(1.0)
+    if kind == "registered":  # as ExpertStore pins its arenas: exact size, in place
+        err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+        assert err == 0, f"cudaHostRegister failed with cudaError {err}"
+    return t
+
+def bench(src, batch, reps=40):
+    """Median ms per expert: CUDA-event time on the copy stream, and wall time from issue to landed."""
+    ev, wall = [], []
+    for r in range(reps + 5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for j in range(batch):
+                dst[j].copy_(src[(r * batch + j) % N], non_blocking=True)
+            b.record()
+        b.synchronize()
+        if r >= 5:
+            ev.append(a.elapsed_time(b) / batch)
+            wall.append((time.perf_counter() - t0) * 1e3 / batch)
+    return statistics.median(ev), statistics.median(wall)
+
+print(f"one expert = {E_BYTES:,} bytes; medians of 40 timed copies (after 5 warm-ups), copy stream, non_blocking")
+print("| source | is_pinned | 1 copy: ms (GB/s) | 1 copy wall ms | 8 back-to-back: ms/expert (GB/s) |")
+print("| --- | --- | --- | --- | --- |")
+for kind in ("registered", "pin_memory", "pageable"):
+    src = source(kind)
+    (e1, w1), (e8, w8) = bench(src, 1), bench(src, 8)
+    print(f"| {kind} | {src.is_pinned()} | {e1:.3f} ({E_BYTES / e1 / 1e6:.1f}) | {w1:.3f} | "
+          f"{e8:.3f} ({E_BYTES / e8 / 1e6:.1f}) |")
+    print(f"RESULT h2d {kind}: {e1:.3f} ms per expert = {E_BYTES / e1 / 1e6:.1f} GB/s "
+          f"(8 back-to-back: {E_BYTES / e8 / 1e6:.1f} GB/s; wall {w1:.3f} ms)")
+    if kind == "registered":
+        cudart.cudaHostUnregister(src.data_ptr())
+    del src
+print("for scale: the paper's cleared-cache beta, 0.408 ms per expert on an A100 over PCIe 4.0, is 23.1 GB/s")
+EOF
+
+stage_checkpoint() {
+    local need_mb=$((LAYERS * 1300 + 1800)) avail_mb  # qwen3-30b-a3b: 1.21 GB of experts per layer, 1.6 GB more
+    avail_mb=$(df -Pm "$WORK" | awk 'NR==2 {print $4}')
+    echo "checkpoint: preset $PRESET, $LAYERS layers (qwen3-30b-a3b: the real shapes, $LAYERS of 48 layers," \
+         "needs ~${need_mb} MB); ${avail_mb} MB free at $WORK"
+    if [ "$PRESET" = qwen3-30b-a3b ] && [ "$avail_mb" -le "$need_mb" ]; then
+        echo "FAIL: not enough disk at $WORK (set LAYERS lower)"
+        return 1
+    fi
+    "$PY" benchmarks/synthetic_checkpoint.py "$WORK/ckpt" --preset "$PRESET" --layers "$LAYERS" \
+        --drafter-out "$WORK/drafter" --workers "$(nproc)" || return 1
+    echo "RESULT checkpoint: $(du -sb "$WORK/ckpt" | cut -f1) bytes, preset $PRESET, $LAYERS layers"
+}
+
+calibrate_cmd() {  # mode -> CMD
+    CMD=("$PY" -m specfit.cli calibrate --model "$WORK/ckpt" --drafter "$WORK/drafter" --slots "$SLOTS"
+         --cache-mode "$1" --prompts random --num-prompts 4 --probes 40 --dtype bfloat16
+         --out "$OUTDIR/profile-$1.json")
+    read -r -a extra <<<"$CAL_ARGS"
+    CMD+=("${extra[@]}")
+}
+
+decode_cmd() {  # -> CMD
+    CMD=("$PY" benchmarks/decode_check.py --model "$WORK/ckpt" --drafter "$WORK/drafter" --slots "$SLOTS")
+    if [ -f "$OUTDIR/profile-cached.json" ] || [ "$DRY" = 1 ]; then CMD+=(--profile "$OUTDIR/profile-cached.json"); fi
+    CMD+=(--prompts "$DECODE_PROMPTS" --prompt-len 32 --new-tokens "$DECODE_TOKENS" --dtype bfloat16
+          --json "$OUTDIR/decode.json")
+}
+
+print_beta() {  # mode paper_ms
+    "$PY" - "$OUTDIR/profile-$1.json" "$1" "$2" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+beta, r2, n = d["beta"] * 1e3, d.get("r2") or 0.0, d.get("n_records")
+print(f"RESULT beta {sys.argv[2]}: {beta:.4f} ms per expert of demand, R^2 {r2:.3f} over {n} probes "
+      f"(paper, A100 over PCIe 4.0: {sys.argv[3]} ms)")
+EOF
+}
+
+print_decode() {
+    "$PY" - "$OUTDIR/decode.json" <<'EOF'
+import json, sys
+names = {"ar": "AR", "eagle3": "EAGLE-3", "specfit": "SpecFit"}
+for mode, x in json.load(open(sys.argv[1]))["results"].items():
+    tps, cpt, npc = x["tokens_per_second"], x["copies_per_token"], x["nodes_per_cycle"]
+    tpc, ms = x["tokens_per_cycle"], x["seconds_per_cycle"] * 1e3
+    print(f"RESULT decode {names.get(mode, mode)}: {tps:.2f} tok/s, {cpt:.1f} copies/token, {npc:.2f} nodes/cycle, "
+          f"{tpc:.2f} tokens/cycle, {ms:.1f} ms/cycle")
+EOF
+}
+
+cleanup() {
+    if [ "$KEEP" != 1 ] && [ -f "$WORK/.specfit-gpu-check" ]; then rm -rf "$WORK"; fi
+    rm -rf "$TMPD"
+}
+
+main() {
+    echo "SpecFit GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), host ${HOSTNAME:-$(uname -n)}, repo $(pwd)"
+    echo "settings: PRESET=$PRESET LAYERS=$LAYERS SLOTS=$SLOTS WORK=$WORK TOTAL_BUDGET=${TOTAL_BUDGET}s stages=$STAGES log=$LOG"
+    if [ "$DRY" = 1 ]; then
+        echo "dry run: the plan (limits in seconds)"
+        for s in $ALL_STAGES; do
+            wanted "$s" || [ "$s" = env ] || continue
+            case $s in
+                env) echo "  env ${BUDGET[env]}: install .whl/*.whl into $SITE/deps, build specfit into $SITE/pkg, versions, nvidia-smi" ;;
+                pytest) echo "  pytest ${BUDGET[pytest]}: $PY -m pytest -m cuda tests/test_cuda.py" ;;
+                bandwidth) echo "  bandwidth ${BUDGET[bandwidth]}: H2D of one 9,437,184-byte expert: registered / pin_memory / pageable" ;;
+                checkpoint) echo "  checkpoint ${BUDGET[checkpoint]}: benchmarks/synthetic_checkpoint.py $WORK/ckpt --preset $PRESET --layers $LAYERS --drafter-out $WORK/drafter" ;;
+                calibrate) for m in cached cleared; do calibrate_cmd $m; echo "  calibrate-$m ${BUDGET[calibrate]}: ${CMD[*]}"; done ;;
+                decode) decode_cmd; echo "  decode ${BUDGET[decode]}: ${CMD[*]}" ;;
+            esac
+        done
+        return 0
+    fi
+    mkdir -p "$WORK" && touch "$WORK/.specfit-gpu-check"
+    if stage_env 2>&1 | tee "$TMPD/env.out"; [ "${PIPESTATUS[0]}" -eq 0 ]; then
+        record env PASS $(($(date +%s) - START))
+        export PYTHONPATH="$SITE/pkg:$SITE/deps${PYTHONPATH:+:$PYTHONPATH}"  # the pipe ran stage_env in a subshell
+    else
+        record env FAIL $(($(date +%s) - START))
+        echo "the environment is not usable: no further stage runs"
+        return 1
+    fi
+    if wanted pytest; then
+        run_stage pytest "${BUDGET[pytest]}" "$PY" -m pytest -m cuda tests/test_cuda.py -q -rs -p no:cacheprovider
+    fi
+    if wanted bandwidth; then run_stage bandwidth "${BUDGET[bandwidth]}" "$PY" -c "$BANDWIDTH_PY"; fi
+    local have_ckpt=0
+    if wanted checkpoint; then
+        export -f stage_checkpoint && export PY LAYERS WORK PRESET
+        run_stage checkpoint "${BUDGET[checkpoint]}" bash -c stage_checkpoint && have_ckpt=1
+    fi
+    if wanted calibrate; then
+        for mode in cached cleared; do
+            if [ $have_ckpt = 1 ]; then
+                calibrate_cmd "$mode"
+                run_stage "calibrate-$mode" "${BUDGET[calibrate]}" "${CMD[@]}" \
+                    && print_beta "$mode" "$([ "$mode" = cached ] && echo 0.211 || echo 0.408)" | tee -a "$TMPD/summary.out"
+            else
+                record "calibrate-$mode" "SKIPPED (no checkpoint)" 0
+            fi
+        done
+    fi
+    if wanted decode; then
+        if [ $have_ckpt = 1 ]; then
+            [ -f "$OUTDIR/profile-cached.json" ] || echo "note: no cached profile: SpecFit uses its default cost model"
+            decode_cmd
+            run_stage decode "${BUDGET[decode]}" "${CMD[@]}" && print_decode | tee -a "$TMPD/summary.out"
+        else
+            record decode "SKIPPED (no checkpoint)" 0
+        fi
+    fi
+}
+
+summary() {
+    local passed=0 i
+    echo
+    echo "================================ SUMMARY ================================"
+    echo "SpecFit GPU check: $PRESET with $LAYERS layers (the real per-layer shapes, $LAYERS of 48 layers, for" \
+         "qwen3-30b-a3b), SLOTS=$SLOTS; $(($(date +%s) - START))s"
+    for i in "${!NAMES[@]}"; do
+        printf '  %-18s %-28s %4ss\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_USED[$i]}"
+        [ "${RESULTS[$i]}" = PASS ] && passed=$((passed + 1))
+    done
+    cat "$TMPD"/*.out 2>/dev/null | grep -h '^RESULT' | sed 's/^RESULT /  /' | awk '!seen[$0]++'
+    echo "stages passed: $passed of ${#NAMES[@]}; log: $LOG"
+    [ "$passed" -eq "${#NAMES[@]}" ]
+}
+
+TMPD=$(mktemp -d)
+START=$(date +%s)
+DEADLINE=$((START + TOTAL_BUDGET))
+trap cleanup EXIT
+{
+    main
+    rc=$?
+    if [ "$DRY" = 1 ]; then exit 0; fi
+    summary && [ $rc -eq 0 ]
+} 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"

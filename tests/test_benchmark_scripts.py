@@ -1,0 +1,163 @@
+"""The benchmark scripts' CPU-runnable parts: the synthetic hub-layout checkpoint writer, the decode check, and the
+argument handling of the prepared GPU check."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+import specfit
+from specfit.cost_model import CostModel
+from specfit.drafter import Eagle3Config
+from specfit.drafter_io import load_drafter
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import decode_check  # noqa: E402
+import synthetic_checkpoint as sc  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """The tiny preset (4 layers x 128 experts, top-8, hidden 64) in bf16, in ~200 KB shards, with a drafter."""
+    root = tmp_path_factory.mktemp("synthetic")
+    summary = sc.write_checkpoint(root / "ckpt", "tiny", shard_size="200KB", workers=1)
+    sc.write_drafter(root / "drafter", summary["config"], draft_vocab_size=256)
+    return root, summary
+
+
+def test_checkpoint_has_the_hub_layout(tiny_ckpt, tmp_path):
+    root, summary = tiny_ckpt
+    folder = root / "ckpt"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) == summary["shards"] > 10
+    assert all(re.fullmatch(rf"model-\d{{5}}-of-{len(shards):05d}\.safetensors", p.name) for p in shards)
+    stored, total = {}, 0
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                stored[key] = shard.name
+                t = f.get_tensor(key)
+                total += t.numel() * t.element_size()
+                assert t.dtype == torch.bfloat16
+    assert stored == index["weight_map"] and index["metadata"]["total_size"] == total
+    assert "model.layers.3.mlp.experts.127.down_proj.weight" in stored and "lm_head.weight" in stored
+    # the same key set as transformers' own save_pretrained of this architecture (which writes the hub layout)
+    config = AutoConfig.from_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="1MB")
+    assert set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) == set(stored)
+    assert max(p.stat().st_size for p in shards) < 200_000 + 2 * 128 * 64 * 2  # shards near --shard-size
+    gen = GenerationConfig.from_pretrained(folder)
+    assert gen.eos_token_id == [2, 1] and gen.bos_token_id == 1
+
+
+def test_weights_are_seeded_per_tensor(tiny_ckpt, tmp_path):
+    root, _ = tiny_ckpt
+    sc.write_checkpoint(tmp_path, "tiny", layers=1, shard_size="4GB", workers=2)
+    index = json.loads((root / "ckpt" / "model.safetensors.index.json").read_text())["weight_map"]
+    key = "model.layers.0.mlp.experts.5.up_proj.weight"
+    one_layer = tmp_path / "model-00001-of-00001.safetensors"
+    with safe_open(str(root / "ckpt" / index[key]), "pt") as a, safe_open(str(one_layer), "pt") as b:
+        assert torch.equal(a.get_tensor(key), b.get_tensor(key))  # same name, same seed: same tensor
+        assert abs(a.get_tensor(key).float().std().item() - 0.02) < 0.002
+        assert torch.equal(b.get_tensor("model.layers.0.input_layernorm.weight"), torch.ones(64, dtype=torch.bfloat16))
+
+
+def test_both_loaders_agree_on_the_synthetic_checkpoint(tiny_ckpt):
+    torch.set_num_threads(1)
+    folder = tiny_ckpt[0] / "ckpt"
+    ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(0))
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = specfit.from_pretrained(folder, cache_slots=12, dtype=torch.float32, device="cpu")
+    assert reference.config.rope_parameters["rope_theta"] == 1e6 and reference.config.norm_topk_prob
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    assert model.specfit.store.weight_bytes == 4 * 128 * 3 * 32 * 64 * 4  # fp32 in memory
+
+
+def test_real_preset_has_the_real_shapes(tmp_path):
+    """Qwen3-30B-A3B from the preset's config.json on the meta device: no weights written."""
+    config = sc.hub_config("qwen3-30b-a3b")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(loaded)
+    experts = model.model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj.shape) == (128, 1536, 2048) and tuple(experts.down_proj.shape) == (128, 2048, 768)
+    assert len(model.model.layers) == 48 and loaded.num_experts_per_tok == 8 and loaded.head_dim == 128
+    assert tuple(model.model.layers[0].self_attn.q_proj.weight.shape) == (4096, 2048)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight and loaded.vocab_size == 151936
+    assert experts.gate_up_proj[0].numel() * 2 + experts.down_proj[0].numel() * 2 == 9_437_184  # one expert, bf16
+    shapes = sc.tensor_shapes(config)
+    assert sum(sc._numel(s) for _, s in shapes) == sum(p.numel() for p in model.parameters()) == 30_532_122_624
+    assert len(sc.plan_shards(shapes, 2, sc.parse_size("4GB"))) == 16  # as many shards as the hub's
+    reduced = sc.hub_config("qwen3-30b-a3b", layers=12)
+    assert reduced["num_hidden_layers"] == 12 and reduced["hidden_size"] == 2048
+    assert Eagle3Config.default_aux_layer_ids(12) == (1, 5, 8)
+
+
+def test_parse_size():
+    assert [sc.parse_size(s) for s in ("4GB", "100KB", "1GiB", "2MiB", "77", 5)] == [
+        4_000_000_000, 100_000, 2**30, 2 * 2**20, 77, 5]
+    with pytest.raises(ValueError, match="size"):
+        sc.parse_size("4 parsecs")
+
+
+def test_decode_check_on_cpu(tiny_ckpt, tmp_path, capsys):
+    root, summary = tiny_ckpt
+    drafter = load_drafter(root / "drafter", num_target_layers=4)
+    assert drafter.config.aux_layer_ids == Eagle3Config.default_aux_layer_ids(4)
+    assert drafter.config.hidden_size == 64 and drafter.config.draft_vocab_size == 256
+    profile = CostModel(intercepts=(0.01,) * 8, beta=1e-4).save(tmp_path / "profile.json")
+    out = tmp_path / "decode.json"
+    decode_check.main(["--model", str(root / "ckpt"), "--drafter", str(root / "drafter"), "--slots", "12",
+                       "--profile", str(profile), "--dtype", "float32", "--device", "cpu", "--threads", "1",
+                       "--prompts", "2", "--prompt-len", "8", "--new-tokens", "6", "--json", str(out)])
+    table = capsys.readouterr().out
+    assert "| AR |" in table and "| EAGLE-3 |" in table and "| SpecFit (oracle routes) |" in table
+    report = json.loads(out.read_text())
+    r = report["results"]
+    assert set(r) == {"ar", "eagle3", "specfit"}
+    assert all(x["new_tokens"] == 12 and x["tokens_per_second"] > 0 for x in r.values())
+    assert r["eagle3"]["same_as_ar"] == r["specfit"]["same_as_ar"] == 2  # fp32 greedy: lossless
+    assert r["eagle3"]["nodes_per_cycle"] == 7 and r["ar"]["tokens_per_cycle"] == 1
+    assert report["info"]["cost_model"]["beta"] == 1e-4 and not report["info"]["warnings"]
+
+
+GPU_CHECK = ["bash", str(BENCHMARKS / "gpu_check.sh")]
+
+
+def run(args, **env):
+    environ = {k: v for k, v in os.environ.items() if k != "OUT"} | env
+    return subprocess.run(args, capture_output=True, text=True, env=environ, timeout=60)
+
+
+def test_gpu_check_arguments(tmp_path):
+    help_text = run(GPU_CHECK + ["--help"])
+    assert help_text.returncode == 0 and "usage: bash benchmarks/gpu_check.sh" in help_text.stdout
+    assert run(GPU_CHECK).returncode == 2  # no output folder and no $OUT
+    assert "unknown option" in run(GPU_CHECK + ["--bogus", str(tmp_path)]).stderr
+    assert run(GPU_CHECK + [str(tmp_path / "a"), str(tmp_path / "b")]).returncode == 2
+    bad_stage = run(GPU_CHECK + ["--stages", "env,warp", str(tmp_path)])
+    assert bad_stage.returncode == 2 and "unknown stage 'warp'" in bad_stage.stderr
+    assert run(["bash", str(BENCHMARKS / "gpu_wheels.sh"), "--help"]).returncode == 0
+
+
+def test_gpu_check_dry_run_writes_the_plan_to_one_log(tmp_path):
+    out = tmp_path / "out"
+    dry = run(GPU_CHECK + ["--dry-run"], OUT=str(out))  # the folder from $OUT
+    assert dry.returncode == 0, dry.stderr
+    log = (out / "gpu_check.log").read_text()
+    assert log == dry.stdout and list(out.iterdir()) == [out / "gpu_check.log"]
+    for expected in ("pytest -m cuda tests/test_cuda.py", "--preset qwen3-30b-a3b --layers 12",
+                     "--slots 48 --cache-mode cached", "--cache-mode cleared", "decode_check.py",
+                     "--profile " + str(out / "profile-cached.json")):
+        assert expected in log

@@ -1,0 +1,234 @@
+"""The CUDA paths: pinned arenas, the device slot cache, the copy stream, tree decoding and the loader on a GPU.
+
+Every test is marked ``cuda`` and skips on a machine without one; ``benchmarks/gpu_check.sh`` runs them on the
+device machine (``pytest -m cuda tests/test_cuda.py``).
+"""
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_moe, tiny_moe_config
+from transformers import AutoModelForCausalLM
+
+import specfit
+from specfit.cost_model import CostModel
+from specfit.decoding import configure
+from specfit.drafter import Eagle3Config, Eagle3Drafter
+from specfit.expert_cache import CopyEngine
+from specfit.expert_store import ExpertStore
+from specfit.stats import Counters
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False"),
+]
+
+E, K = 16, 4  # the tiny model's experts and top-k
+FREE_NODES = CostModel(intercepts=(1.0,) * 8, beta=0.0)  # nodes cost nothing: SpecFit verifies full subtrees too
+SLEEP_CYCLES = 1_000_000_000  # torch.cuda._sleep: ~0.5 s of GPU time at ~2 GHz, far longer than one expert copy
+
+
+def cuda_model(seed=0):
+    """The tiny model on the GPU, on transformers' eager experts loop: its fused grouped_mm path may not take fp32."""
+    model = tiny_moe(seed).cuda()
+    model.set_experts_implementation("eager")
+    return model
+
+
+def cuda_logits(model, ids):
+    with torch.no_grad():
+        return model(ids.cuda()).logits
+
+
+def host_allocator_bytes():
+    """Bytes held by torch's pinned (caching host) allocator, or None if this torch does not report them."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return None if stats is None else stats().get("allocated_bytes.current")
+
+
+# --- host arenas --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layers, experts, hidden, intermediate", [
+    (3, 5, 64, 48),  # odd sizes: a power-of-two rounding would show
+    (1, 128, 2048, 768),  # one real Qwen3-30B-A3B layer: 128 x 9,437,184 bytes = 1.125 GiB (2 GiB if rounded)
+])
+def test_pinned_arenas_are_exactly_the_weight_bytes(layers, experts, hidden, intermediate):
+    torch.cuda.init()
+    before = host_allocator_bytes()
+    store = ExpertStore(layers, experts, hidden, intermediate, torch.bfloat16, pin=True)
+    weight_bytes = layers * experts * 3 * hidden * intermediate * 2
+    assert store.weight_bytes == weight_bytes and store.pinned_bytes == weight_bytes and store.is_pinned
+    assert all(a.is_pinned() for a in store.arenas)  # page-locked in place (cudaHostRegister)
+    if before is not None:  # nothing went through torch's power-of-two pinned allocator
+        assert host_allocator_bytes() - before < weight_bytes
+    if hidden == 2048:
+        assert store.expert_bytes == 9_437_184
+    arena = store.arenas[0]
+    store.release()
+    assert not arena.is_pinned()  # unregistered on release
+
+
+def test_a_failed_pin_warns_and_leaves_cuda_usable():
+    """A failed cudaHostRegister sets the CUDA runtime's last error; unless it is consumed, the next error-checked
+    call (an unrelated kernel launch) raises it. The store must warn and leave CUDA usable."""
+    store = ExpertStore(1, 2, 64, 32, torch.float32, pin=True)
+    with pytest.warns(RuntimeWarning, match="pinning the expert arenas failed"):
+        store._pin()  # already registered: cudaErrorHostMemoryAlreadyRegistered
+    x = torch.ones(4, device="cuda") * 2
+    torch.cuda.synchronize()
+    assert x.sum().item() == 8
+    store.release()
+
+
+def test_enable_pins_the_experts_of_a_cuda_model():
+    model = cuda_model()
+    specfit.enable(model, cache_slots=3)
+    rt = model.specfit
+    assert rt.device.type == "cuda" and rt.layers[0].cache.slots.is_cuda
+    assert rt.store.is_pinned and rt.store.pinned_bytes == rt.store.weight_bytes == 4 * E * 3 * 32 * 64 * 4
+    assert all(not a.is_cuda for a in rt.store.arenas)
+
+
+# --- the slot cache on the device ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("slots", [1, 3, K, E])
+def test_logits_equal_reference_at_every_slot_count(slots):
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(slots))
+    with torch.no_grad():
+        cpu_ref = tiny_moe()(ids).logits
+    model = cuda_model()
+    cuda_ref = cuda_logits(model, ids)
+    specfit.enable(model, cache_slots=slots)
+    for _ in range(2):  # cold, then warm slots
+        out = cuda_logits(model, ids)
+        torch.testing.assert_close(out, cuda_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.cpu(), cpu_ref, rtol=1e-4, atol=1e-4)
+    c = model.specfit.stats.last_forward
+    if slots < E:  # 40 tokens x top-4 need more distinct experts per layer than there are slots: some stream
+        assert c.streamed > 0 and c.misses > 0
+    else:
+        assert c.misses == 0 and c.hits == c.demand
+
+
+def test_decode_steps_match_with_small_cache():
+    """One token at a time (the decode regime) through 2 slots, against the unpatched model on the GPU."""
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(7)).cuda()
+    reference = cuda_model()
+    expected = reference.generate(ids, max_new_tokens=16, do_sample=False)
+    model = specfit.enable(cuda_model(), cache_slots=2)
+    assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False), expected)
+    g = model.specfit.stats.last_generate
+    assert g.new_tokens == 16 and g.misses > 0 and g.bytes_copied == g.misses * model.specfit.store.expert_bytes
+
+
+# --- the copy stream ----------------------------------------------------------------------------------------------
+def test_copy_runs_on_the_copy_stream_while_compute_is_busy():
+    device = torch.device("cuda")
+    engine = CopyEngine(device)
+    assert engine.stream is not None and engine.stream != torch.cuda.current_stream(device)
+    store = ExpertStore(1, 4, 2048, 768, torch.bfloat16, pin=True)  # 4 real-size experts, pinned
+    store.arenas[0].normal_()
+    dst = torch.empty(store.expert_numel, dtype=torch.bfloat16, device=device)
+    counters = Counters()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # compute queued on the compute stream
+    ticket = engine.copy(dst, store.arenas[0][2], counters)
+    ticket.synchronize()  # the copy has landed ...
+    busy = not torch.cuda.current_stream(device).query()  # ... while the compute stream still runs
+    engine.wait(ticket, counters)
+    torch.cuda.synchronize()
+    assert busy, "the expert copy waited for the compute stream: it is not on a separate stream"
+    assert torch.equal(dst.cpu(), store.arenas[0][2]) and counters.bytes_copied == 9_437_184
+    store.release()
+
+
+def test_overwrite_waits_for_queued_compute():
+    """A slot about to be overwritten may still be read by queued compute: before_overwrite orders the copy after it,
+    and a scratch copy waits for the event it is given."""
+    device = torch.device("cuda")
+    engine = CopyEngine(device)
+    store = ExpertStore(1, 2, 256, 128, torch.float32, pin=True)
+    store.arenas[0].normal_()
+    dst = torch.empty(store.expert_numel, device=device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    engine.before_overwrite()
+    ticket = engine.copy(dst, store.arenas[0][0], Counters())
+    assert not ticket.query()  # still waiting for the compute queued before it
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    done = engine.mark_compute()
+    ticket = engine.copy(dst, store.arenas[0][1], Counters(), after=done)
+    assert not ticket.query()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), store.arenas[0][1])
+    store.release()
+
+
+def test_forward_copies_every_miss_on_the_copy_stream_from_pinned_memory(monkeypatch):
+    model = specfit.enable(cuda_model(), cache_slots=3)
+    rt = model.specfit
+    seen = []
+    original = torch.Tensor.copy_
+
+    def spy(self, src, non_blocking=False):
+        if self.is_cuda and src.device.type == "cpu" and src.numel() == rt.store.expert_numel:
+            seen.append((torch.cuda.current_stream().cuda_stream, src.is_pinned(), non_blocking))
+        return original(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    cuda_logits(model, ids)  # 40 tokens through 3 slots: loads and streamed experts
+    cuda_logits(model, ids[:, :1])
+    monkeypatch.undo()
+    c = rt.stats.total
+    assert c.streamed > 0 and len(seen) == c.misses > 0
+    assert {s for s, _, _ in seen} == {rt.engine.stream.cuda_stream}
+    assert all(pinned and non_blocking for _, pinned, non_blocking in seen)
+    torch.cuda.synchronize()
+    rt.engine.harvest(c)
+    assert c.copy_seconds > 0  # copy-engine time of the finished copies, from their events
+
+
+# --- tree decoding ------------------------------------------------------------------------------------------------
+def random_drafter(seed=0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    return Eagle3Drafter(Eagle3Config.from_target(tiny_moe_config(), draft_vocab_size=128))
+
+
+@pytest.mark.parametrize("assistant", ["eagle3", "specfit"])
+def test_greedy_tree_decoding_equals_plain_generate(assistant):
+    reference = cuda_model()
+    model = specfit.enable(cuda_model(), cache_slots=4, drafter=random_drafter(), cost_model=FREE_NODES)
+    assert next(model.specfit.drafter.parameters()).is_cuda
+    prompts = [torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(n)).cuda() for n in (5, 21)]
+    shapes = [dict(topk=2, depth=5, pool_nodes=18, max_nodes=7), dict(topk=3, depth=3, pool_nodes=12, max_nodes=5)]
+    for prompt, shape in itertools.product(prompts, shapes):
+        configure(model, **shape)
+        expected = reference.generate(prompt, max_new_tokens=20, do_sample=False)
+        out = model.generate(prompt, max_new_tokens=20, do_sample=False, assistant=assistant)
+        assert torch.equal(out, expected), f"prompt of {prompt.shape[1]}, tree {shape}"
+        g = model.specfit.stats.last_generate
+        assert g.new_tokens == 20 and g.cycles > 0 and 0 < g.nodes_per_cycle <= shape["max_nodes"]
+    assert torch.equal(model.generate(prompts[0], max_new_tokens=20, do_sample=False),
+                       reference.generate(prompts[0], max_new_tokens=20, do_sample=False))
+
+
+# --- the loader ---------------------------------------------------------------------------------------------------
+def test_loader_streams_a_sharded_checkpoint_onto_cuda(tmp_path):
+    tiny_moe(seed=4).save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 5
+    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0)).cuda()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").cuda().eval()
+    model = specfit.from_pretrained(tmp_path, cache_slots=3, dtype=torch.float32, device="cuda")
+    rt = model.specfit
+    assert rt.device.type == "cuda"
+    assert all(p.is_cuda for p in model.parameters()) and all(b.is_cuda for b in model.buffers())
+    assert not any("experts" in n for n, _ in model.named_parameters())
+    assert rt.store.is_pinned and rt.store.pinned_bytes == rt.store.weight_bytes
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False),
+                       reference.generate(ids, max_new_tokens=8, do_sample=False))
+    bf16 = specfit.from_pretrained(tmp_path, cache_slots=3, dtype=torch.bfloat16, device="cuda")
+    assert bf16.specfit.store.dtype == torch.bfloat16 and bf16.specfit.store.is_pinned
+    assert bf16.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, 15)
