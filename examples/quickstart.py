@@ -2,7 +2,7 @@
 
     python examples/quickstart.py
 
-Runs on a CPU in a few seconds. The host link is emulated (each expert copy costs 0.35 ms), so the speeds show the
+Runs on a CPU in a few seconds. The host link is emulated (each expert copy costs 0.28 ms), so the speeds show the
 offload regime on a CPU, not GPU speed.
 """
 
@@ -11,7 +11,7 @@ import torch
 from specfit import embedded
 
 torch.set_num_threads(1)
-model, tokenizer = embedded.load(cache_slots=24, link=0.35e-3)  # 24 of 64 expert slots per layer
+model, tokenizer = embedded.load(cache_slots=24, link=0.28e-3)  # 24 of 64 expert slots per layer
 prompt = "Question: A baker makes 24 muffins and sells 3 boxes of 6. How many muffins are left?\nAnswer:"
 ids = tokenizer(prompt, return_tensors="pt").input_ids
 
