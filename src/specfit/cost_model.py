@@ -209,13 +209,16 @@ class CostModel:
         return cls(tuple(values), beta, meta)
 
 
-def profile_dir() -> Path:
-    """Where profiles live: ``$SPECFIT_CACHE/profiles``, else ``$XDG_CACHE_HOME/specfit/profiles``, else
-    ``~/.cache/specfit/profiles``."""
+def cache_root() -> Path:
+    """SpecFit's user cache: ``$SPECFIT_CACHE``, else ``$XDG_CACHE_HOME/specfit``, else ``~/.cache/specfit``."""
     if os.environ.get("SPECFIT_CACHE"):
-        return Path(os.environ["SPECFIT_CACHE"]) / "profiles"
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "specfit" / "profiles"
+        return Path(os.environ["SPECFIT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specfit"
+
+
+def profile_dir() -> Path:
+    """Where profiles live: ``cache_root() / "profiles"``."""
+    return cache_root() / "profiles"
 
 
 def profile_path(device_name: str, model_id: str, slots: int, cache_mode: str) -> Path:

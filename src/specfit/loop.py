@@ -82,10 +82,10 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
                    do_sample)  # 4. accept
         kept = torch.tensor([0] + acc.path, device=runtime.device)
         seam.keep_kv(cache, cycle.base, kept)  # 5. compact
-        run.commit(acc)  # 6. observe
+        committed = run.commit(acc)  # 6. observe
         if not run.done:
             gen.observe(runtime.aux_capture.features()[:, kept], torch.tensor([acc.tokens], device=runtime.device))
-        scope.cycle(pool=len(tree), verified=len(nodes), committed=len(acc.tokens), demand=verify.demand,
+        scope.cycle(pool=len(tree), verified=len(nodes), committed=committed, demand=verify.demand,
                     misses=verify.misses, seconds=time.perf_counter() - t0 - cycle.untimed_seconds,
                     untimed=cycle.untimed_seconds, draft_seconds=t_drafted - t0 - cycle.untimed_seconds)
 
@@ -114,7 +114,9 @@ class _Run:
         self._raw.append(raw)
         return self.processors(prefix, raw.clone())[0]
 
-    def commit(self, acc) -> None:
+    def commit(self, acc) -> int:
+        """Append the accepted tokens and the bonus token, stopping where the stopping criteria say; returns how
+        many were committed."""
         new = []
         raw, self._raw = self._raw, []
         for token, scores, logits in zip(acc.tokens, acc.scores, raw):
@@ -127,6 +129,7 @@ class _Run:
                 break
         if self.streamer is not None and new:
             self.streamer.put(torch.tensor([new]))
+        return len(new)
 
     def result(self, cache):
         if not self.config.return_dict_in_generate:

@@ -335,6 +335,8 @@ def model_card(report: dict) -> str:
 
 
 def main(args) -> int:
+    from specfit.training import default_work_dir
+
     if args.data_dir:
         os.environ["SPECFIT_DATA_DIR"] = str(Path(args.data_dir).resolve())
     if args.threads:
@@ -344,7 +346,7 @@ def main(args) -> int:
     from specfit.training.routing_stats import format_tables
 
     out = Path(args.out)
-    work = Path(args.work_dir) if args.work_dir else out / "checkpoints"
+    work = Path(args.work_dir) if args.work_dir else default_work_dir("train-target")
     work.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup_steps=args.warmup, eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed)
@@ -379,7 +381,8 @@ def main(args) -> int:
 def add_arguments(parser) -> None:
     d = TrainConfig()
     parser.add_argument("--out", required=True, help="folder for the final model, tokenizer, model card and report")
-    parser.add_argument("--work-dir", help="folder for checkpoints and the encoded corpus (default: OUT/checkpoints)")
+    parser.add_argument("--work-dir", help="folder for checkpoints and the encoded corpus "
+                                           "(default: the user cache, ~/.cache/specfit/work/train-target)")
     parser.add_argument("--preset", default="embedded", choices=sorted(PRESETS), help="model size")
     parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (the schedule's length)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for splits, init and window sampling")
