@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .evaluation import (EMBEDDED_LINK_S, LABELS, METHODS, Row, format_table, load_instances, paper_table,
-                         run_side_by_side, token_compute_seconds)
+from .evaluation import (EMBEDDED_LINK_S, LABELS, METHODS, PAPER_METHODS, Row, format_table, load_instances,
+                         paper_table, run_side_by_side, token_compute_seconds)
 
 SLOTS = ("24", "12", "6", "none")
 REGIMES = {"no-link": None, "emulated": EMBEDDED_LINK_S}
@@ -33,8 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--slots", nargs="+", default=list(SLOTS), help="slots per layer of 64, or 'none' (no cache)")
     p.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--routes", default="oracle", help="SpecFit's route source: oracle (default) or a predictor")
+    p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
+                   help="rows (default: the paper's four, plus SpecFit with the route predictor when one exists)")
     p.add_argument("--link-ms", type=float, default=EMBEDDED_LINK_S * 1e3,
                    help="emulated link: ms per expert copy (default chosen for ~1.4x compute per token)")
     p.add_argument("--out", default="bench-results", help="folder for results.json and tok_s_vs_slots.png")
@@ -48,6 +48,12 @@ def main(args) -> int:
     from . import datasets
 
     torch.set_num_threads(args.threads)
+    if args.methods is None:
+        from . import embedded
+        from .route_predictor import CONFIG
+
+        args.methods = list(PAPER_METHODS) + (["specfit-predictor"] if (embedded.DRAFTER_DIR / CONFIG).is_file()
+                                              else [])
     if args.quick:
         args.cnn_prompts, args.gsm8k_prompts, args.max_new_tokens = 4, 4, 32
     out_dir = Path(args.out)
@@ -71,9 +77,10 @@ def main(args) -> int:
         for regime, link_s in regimes.items():
             for slots in args.slots:
                 n_slots = None if slots == "none" else int(slots)
-                instances, _ = load_instances(args.methods, n_slots, link_s, route_source=args.routes)
-                if "specfit" in instances:
-                    _ensure_profile(instances["specfit"], tokenizer)
+                instances, _ = load_instances(args.methods, n_slots, link_s)
+                for name, model in instances.items():
+                    if METHODS[name].assistant == "specfit":
+                        _ensure_profile(model, tokenizer)
                 for w, prompts in workloads.items():
                     totals, _ = run_side_by_side(instances, prompts, args.max_new_tokens,
                                                  on_prompt=lambda i: bar.update(1))
@@ -85,7 +92,7 @@ def main(args) -> int:
     print(paper_table())
     result = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=platform.processor() or
                   platform.machine(), torch_threads=args.threads, link_ms=args.link_ms, link_to_compute=ratio,
-                  max_new_tokens=args.max_new_tokens, routes=args.routes, wall_seconds=time.time() - started,
+                  max_new_tokens=args.max_new_tokens, methods=args.methods, wall_seconds=time.time() - started,
                   note="CPU; 'emulated link' rows use an emulated host-to-device link, not GPU speed",
                   rows=[r.as_dict() for r in rows])
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
@@ -153,7 +160,7 @@ def _plot(rows: list[Row], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (regime, w) in zip(axes[0], panels):
         order = [s for s in SLOTS if any(r.slots == s for r in rows)]
-        for m in METHODS:
+        for m in dict.fromkeys(r.method for r in rows):
             pts = [next((r.tok_s for r in rows if (r.regime, r.workload, r.slots, r.method) == (regime, w, s, m)),
                         None) for s in order]
             if any(p is not None for p in pts):

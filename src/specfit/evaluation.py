@@ -17,9 +17,29 @@ import torch
 
 from .stats import Counters
 
-METHODS = ("ar", "eagle3-vanilla", "eagle3", "specfit")
-LABELS = {"ar": "AR", "eagle3-vanilla": "EAGLE-3 vanilla", "eagle3": "EAGLE-3 + cache", "specfit": "SpecFit + cache"}
-ASSISTANT = {"ar": None, "eagle3-vanilla": "eagle3", "eagle3": "eagle3", "specfit": "specfit"}
+@dataclass(frozen=True)
+class Method:
+    label: str
+    assistant: str | None
+    cleared: bool = False  # slot cache emptied before every forward (the paper's "vanilla")
+    options: tuple = ()  # decoding options, as (name, value) pairs
+
+
+METHODS = {
+    "ar": Method("AR", None),
+    "eagle3-vanilla": Method("EAGLE-3 vanilla", "eagle3", cleared=True),
+    "eagle3": Method("EAGLE-3 + cache", "eagle3"),
+    "specfit": Method("SpecFit + cache", "specfit"),  # oracle routes: the paper's measurement
+    # deployable variants (route predictors, prefetch) and the cache-aware cost option
+    "specfit-gate": Method("SpecFit, gate routes", "specfit", options=(("route_source", "gate"),)),
+    "specfit-predictor": Method("SpecFit, predictor", "specfit", options=(("route_source", "predictor"),)),
+    "specfit-prefetch": Method("SpecFit, pred.+prefetch", "specfit",
+                               options=(("route_source", "predictor"), ("prefetch", True))),
+    "specfit-cache-aware": Method("SpecFit, cache-aware", "specfit", options=(("cost", "cache-aware"),)),
+}
+PAPER_METHODS = ("ar", "eagle3-vanilla", "eagle3", "specfit")
+LABELS = {name: m.label for name, m in METHODS.items()}
+ASSISTANT = {name: m.assistant for name, m in METHODS.items()}
 
 # The emulated host link for the embedded model: one expert copy costs this long, chosen so that one token's full
 # expert demand (6 layers x top-4 = 24 copies) takes about 1.4x one token's compute, as on the paper's A100
@@ -43,39 +63,35 @@ class Row:
     copies_per_token: float
     hit_rate: float
     untimed_s: float
+    prefetch_per_token: float  # prefetch copies per output token (included in copies_per_token)
+    prefetch_wasted_per_token: float
 
     @classmethod
     def of(cls, method, workload, slots, regime, prompts, c: Counters) -> "Row":
+        per_token = (lambda x: x / c.new_tokens) if c.new_tokens else (lambda x: 0.0)
         return cls(method, workload, slots, regime, prompts, c.new_tokens, c.tokens_per_second, c.nodes_per_cycle,
                    c.tokens_per_cycle, c.seconds_per_cycle * 1e3, c.copies_per_token, c.hit_rate,
-                   c.untimed_seconds)
+                   c.untimed_seconds, per_token(c.prefetch_copies), per_token(c.prefetch_wasted))
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def load_instances(methods, slots: int | None, link_s: float | None, route_source: str = "oracle",
-                   cost_model=None) -> dict:
+def load_instances(methods, slots: int | None, link_s: float | None) -> tuple[dict, object]:
     """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared)."""
+    from transformers import AutoConfig
+
     from . import embedded
     from .link import LinkConfig
 
-    num_experts = None
     out = {}
-    for method in methods:
-        cleared = slots is None or method == "eagle3-vanilla"
-        n = slots
-        if n is None:
-            if num_experts is None:
-                from transformers import AutoConfig
-
-                num_experts = AutoConfig.from_pretrained(embedded.TARGET_DIR).num_experts
-            n = num_experts
-        model, tokenizer = embedded.load(n, cache_mode="cleared" if cleared else "cached",
+    for name in methods:
+        method = METHODS[name]
+        n = slots if slots is not None else AutoConfig.from_pretrained(embedded.TARGET_DIR).num_experts
+        model, tokenizer = embedded.load(n, cache_mode="cleared" if method.cleared or slots is None else "cached",
                                          link=LinkConfig(seconds_per_expert=link_s) if link_s else None,
-                                         route_source=route_source,
-                                         cost_model=cost_model if method == "specfit" else None)
-        out[method] = model
+                                         **dict(method.options))
+        out[name] = model
     return out, tokenizer
 
 
@@ -120,10 +136,10 @@ def token_compute_seconds(model, ids: torch.Tensor, repeats: int = 20) -> float:
 
 
 def format_table(rows: list[Row], title: str) -> str:
-    head = f"{'method':<17}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}{'copies/tok':>12}"
+    head = f"{'method':<25}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}{'copies/tok':>12}"
     lines = [title, head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{LABELS[r.method]:<17}{r.tok_s:>8.1f}{r.nodes_per_cycle:>11.2f}{r.tokens_per_cycle:>9.2f}"
+        lines.append(f"{LABELS[r.method]:<25}{r.tok_s:>8.1f}{r.nodes_per_cycle:>11.2f}{r.tokens_per_cycle:>9.2f}"
                      f"{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}")
     return "\n".join(lines)
 
@@ -146,7 +162,7 @@ def paper_table() -> str:
              f"{'copies/tok':>12}"]
     for w in ("cnn", "gsm8k"):
         p = PAPER[w]
-        for m in METHODS:
+        for m in PAPER_METHODS:
             extra = (f"{p['nodes'][m]:>11.2f}{p['tokens'][m]:>9.2f}{p['cycle_ms'][m]:>10.1f}{p['copies'][m]:>12.1f}"
                      if m in p["nodes"] else f"{'':>11}{'':>9}{'':>10}{'':>12}")
             lines.append(f"{w:<9}{LABELS[m]:<17}{p[m]:>8.2f}{extra}")
