@@ -79,9 +79,7 @@ def test_enable_finds_profile_or_warns(tmp_path, monkeypatch):
     specfit.enable(model, cache_slots=4, drafter=SelfDrafter(model, first_token=1))
     with pytest.warns(RuntimeWarning, match="no calibrated cost profile"):
         assert resolve_cost_model(model).meta["source"] == "default"
-    specfit.disable(model)
-    specfit.enable(model, cache_slots=4, drafter=SelfDrafter(model, first_token=1))
-    rt = model.specfit
+    rt = model.specfit  # a profile calibrated later in the same process is found: the default was not kept
     mine = CostModel((0.01,) * 8, 1e-4, {"slots": 4, "cache_mode": "cached"})
     mine.save(profile_path(device_name(rt), model_id(model), 4, "cached"))
     with warnings.catch_warnings():

@@ -48,16 +48,17 @@ def test_greedy_equals_plain_generate(assistant):
 
 
 def test_self_drafter_path_fully_accepted():
+    """A drafter that proposes the target's own next tokens, drafting a 5-node chain: every node is accepted."""
     prompt = PROMPTS[1]
     expected = tiny_moe().generate(prompt, max_new_tokens=40, do_sample=False)
-    model = enabled(prompt, noise=0.0, sharpen=50.0)
+    model = enabled(prompt, noise=0.0, topk=1, depth=5, pool_nodes=5, max_nodes=5)
+    model.specfit.stats.trace = []
     out = model.generate(prompt, max_new_tokens=40, do_sample=False, assistant="eagle3")
     assert torch.equal(out, expected)
-    g = model.specfit.stats.last_generate
-    # the top-1 chain (5 nodes) is in EAGLE-3's top-7 tree and all of it is accepted, plus the bonus token
-    assert g.nodes_per_cycle == 7
-    assert g.tokens_committed >= 6 * (g.cycles - 1)
-    assert g.cycles <= 1 + (40 - 1 + 5) // 6
+    cycles = model.specfit.stats.trace
+    assert [c.n_nodes for c in cycles] == [5] * len(cycles)
+    assert [c.committed for c in cycles[:-1]] == [6] * (len(cycles) - 1)  # 5 accepted + the bonus token
+    assert sum(c.committed for c in cycles) == 39  # the first of the 40 tokens comes from the prefill
 
 
 def test_eagle3_verifies_max_nodes_and_specfit_fewer():
@@ -135,9 +136,30 @@ def test_stop_strings_and_streamer(capsys):
     assert capsys.readouterr().out == plain and len(plain) > 20
 
 
+def test_returned_cache_holds_only_committed_tokens():
+    """eos inside an accepted path: the cache given back matches plain generate's (len(sequences) - 1)."""
+    prompt = PROMPTS[3]
+    free = tiny_moe().generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1]:].tolist()
+    eos = free[9]
+    model = enabled(prompt, noise=0.0, sharpen=50.0)
+    out = model.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos, assistant="eagle3",
+                         return_dict_in_generate=True)
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+    plain = tiny_moe().generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                                return_dict_in_generate=True)
+    assert out.cache.get_seq_length() == plain.cache.get_seq_length()
+
+
 def test_errors():
     prompt = PROMPTS[0]
     model = enabled(prompt)
+    with pytest.raises(ValueError, match="needs greedy or sampling"):
+        model.generate(prompt, assistant="eagle3", prompt_lookup_num_tokens=3, max_new_tokens=3)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model.generate(prompt, assistant="eagle3", use_cache=False, max_new_tokens=3)
+    first = model.generate(prompt, max_new_tokens=3, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match="starts from an empty cache; the cache given holds"):
+        model.generate(first.sequences, cache=first.cache, assistant="eagle3", max_new_tokens=3)
     with pytest.raises(ValueError, match="unknown assistant 'medusa'"):
         model.generate(prompt, assistant="medusa")
     with pytest.raises(ValueError, match="batch size 1"):

@@ -157,6 +157,9 @@ def test_errors():
             specfit.enable(model, cache_slots=bad)
     with pytest.raises(ValueError, match="cache_mode"):
         specfit.enable(model, cache_slots=2, cache_mode="warm")
+    for bad in (True, "0.3"):
+        with pytest.raises(ValueError, match="link must be a LinkConfig or seconds per expert copy"):
+            specfit.enable(model, cache_slots=2, link=bad)
     assert not hasattr(model, "specfit")  # a failed enable leaves nothing behind
     specfit.enable(model, cache_slots=2)
     with pytest.raises(RuntimeError, match="already enabled"):

@@ -13,9 +13,10 @@ _LAZY = {
     "enable": "specfit.patch",
     "disable": "specfit.patch",
     "from_pretrained": "specfit.loader",
-    "SpecFitConfig": "specfit.config",
-    "LinkConfig": "specfit.config",
+    "LinkConfig": "specfit.link",
+    "OffloadConfig": "specfit.runtime",
     "Stats": "specfit.stats",
+    "Counters": "specfit.stats",
     # drafting and decoding
     "Eagle3Drafter": "specfit.drafter",
     "Eagle3Config": "specfit.drafter",
@@ -23,6 +24,8 @@ _LAZY = {
     "save_drafter": "specfit.drafter_io",
     "DraftTree": "specfit.tree",
     "register_assistant": "specfit.assistants",
+    "configure": "specfit.decoding",
+    "DecodingOptions": "specfit.decoding",
     "ASSISTANTS": "specfit.assistants",
     # the method's rules (pure, no torch)
     "select_subtree": "specfit.selector",

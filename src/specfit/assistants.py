@@ -104,12 +104,13 @@ class SpecFitGenerator(Eagle3Generator):
         tree = DraftTree()
         for tree in self.drafter.levels():
             node_routes, root_routes = self.routes(cycle, tree)
+            costed_nodes, costed_root = node_routes, root_routes
             if self.cache_aware:  # resident experts cost nothing: drop them from the demand
                 resident = self.runtime.resident_mask()  # [L, E]
-                node_routes, root_routes = node_routes & ~resident, root_routes & ~resident
-            self.winner = select_subtree(tree.parents, tree.path_probs, node_routes, root_routes, self.cost,
+                costed_nodes, costed_root = node_routes & ~resident, root_routes & ~resident
+            self.winner = select_subtree(tree.parents, tree.path_probs, costed_nodes, costed_root, self.cost,
                                          self.max_nodes)
-            if self.prefetch:  # start copying what the winner needs while the next level is drafted
+            if self.prefetch:  # copy what the winner needs while the next level is drafted (residents: kept fresh)
                 self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
             if not takes_from_level(self.winner, tree.depths, tree.depth):
                 break

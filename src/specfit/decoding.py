@@ -32,9 +32,11 @@ class DecodingOptions:
         if self.cost not in ("paper", "cache-aware"):
             raise ValueError(f"cost must be 'paper' or 'cache-aware', got {self.cost!r}")
         for name in ("topk", "depth", "pool_nodes", "max_nodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_nodes" else 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            value, low = getattr(self, name), 0 if name == "max_nodes" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {self.prefetch!r}")
 
 
 class AuxCapture:
@@ -68,7 +70,7 @@ class AuxCapture:
 
 def attach_decoding(model, drafter=None, cost_model=None, route_predictor=None, **options) -> None:
     runtime = model.specfit
-    runtime.options = DecodingOptions(**options)
+    runtime.options = _checked(runtime, DecodingOptions(**options))
     runtime.cost_model = cost_model
     if drafter is not None:
         set_drafter(model, drafter)
@@ -77,8 +79,13 @@ def attach_decoding(model, drafter=None, cost_model=None, route_predictor=None, 
 
         runtime.route_predictor = route_predictor if isinstance(route_predictor, torch.nn.Module) else \
             RoutePredictor.load(route_predictor, model)
-    if runtime.options.prefetch and runtime.config.cache_mode == "cleared":
+
+
+def _checked(runtime, options: DecodingOptions) -> DecodingOptions:
+    """Options that depend on how the model was enabled."""
+    if options.prefetch and runtime.config.cache_mode == "cleared":
         raise ValueError("prefetch=True needs cache_mode='cached': a cleared cache drops prefetched experts")
+    return options
 
 
 def set_drafter(model, drafter) -> None:
@@ -116,7 +123,7 @@ def detach_decoding(model) -> None:
 def configure(model, **options) -> DecodingOptions:
     """Change decoding options on an enabled model, e.g. ``configure(model, max_nodes=5)``."""
     runtime = model.specfit
-    runtime.options = replace(runtime.options, **options)
+    runtime.options = _checked(runtime, replace(runtime.options, **options))
     return runtime.options
 
 
@@ -150,7 +157,7 @@ def resolve_cost_model(model):
     if found is not None:
         runtime.cost_model = found
         return found
-    key = profile_key(model)
+    key = profile_key(model)  # not stored: a profile calibrated later in this process is found next time
     from .cost_model import CostModel, profile_path
 
     warnings.warn(
@@ -158,8 +165,7 @@ def resolve_cost_model(model):
         f"{key['slots']} slots, cache mode {key['cache_mode']!r} (looked for {profile_path(**key)}): SpecFit uses "
         f"the default cost model (the paper's A100 beta), which can pick poor subtrees here. Run `specfit calibrate`.",
         RuntimeWarning, stacklevel=3)
-    runtime.cost_model = CostModel.default(runtime.options.max_nodes)
-    return runtime.cost_model
+    return CostModel.default(runtime.options.max_nodes)
 
 
 def profile_key(model) -> dict:

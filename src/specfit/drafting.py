@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from .drafter import DraftCache, Eagle3Drafter
-from .tree import DraftTree
+from .tree import DraftTree, ancestors_or_self
 
 
 class TreeDrafter:
@@ -87,11 +87,9 @@ class TreeDrafter:
             self._slot[v] = base + i
         allowed = torch.zeros(n, base + n, dtype=torch.bool, device=device)
         allowed[:, : self.stable] = True
-        for i, v in enumerate(todo):
-            a = v
-            while a >= 0:  # ancestors-or-self: all processed (a node is drafted by processing its parent)
+        for i, v in enumerate(todo):  # ancestors are all processed: a node is drafted by processing its parent
+            for a in ancestors_or_self(tree.parents, v):
                 allowed[i, self._slot[a]] = True
-                a = tree.parents[a]
         dtype = self.drafter.fc.weight.dtype
         mask = torch.zeros(n, base + n, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
         ids = torch.tensor([[tree.tokens[v] for v in todo]], device=device)  # [1, n]

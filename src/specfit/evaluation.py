@@ -96,8 +96,9 @@ def load_instances(methods, slots: int | None, link_s: float | None) -> tuple[di
 
 
 def run_side_by_side(instances: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int, warmup: int = 1,
-                     on_prompt=None) -> dict[str, Counters]:
-    """Greedy decoding of every prompt with every method in turn; returns summed decode-phase counters."""
+                     on_prompt=None) -> tuple[dict[str, Counters], dict[str, list[torch.Tensor]]]:
+    """Greedy decoding of every prompt with every method in turn; returns the summed decode-phase counters and the
+    generated tokens of each method."""
     totals = {m: Counters() for m in instances}
     texts = {m: [] for m in instances}
     for i, ids in enumerate(prompt_ids):

@@ -70,6 +70,11 @@ class CopyEngine:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def close(self) -> None:
+        """Wait for every copy in flight (before slots or arenas are freed)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
     def harvest(self, counters: Counters) -> None:
         """Add the copy-engine time of finished CUDA copies (no synchronisation: unfinished ones wait)."""
         pending = []
@@ -96,9 +101,11 @@ class LayerCache:
     def num_slots(self) -> int:
         return self.lru.num_slots
 
-    def clear(self) -> None:
+    def clear(self, counters: Counters | None = None) -> None:
         self.lru.clear()
         self._pending.clear()
+        if counters is not None:
+            counters.prefetch_wasted += len(self._prefetched)
         self._prefetched.clear()
 
     def prefetch(self, experts: list[int], counters: Counters) -> None:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.nn.functional as F
 
+from . import seam
+
 if TYPE_CHECKING:
     from .expert_cache import LayerCache
     from .runtime import SpecFitRuntime
@@ -49,7 +51,7 @@ class LayerRuntime:
         for e, weights in source:
             start, count = starts[e]
             gate_up, down = rt.store.split(weights)  # [2I, H], [H, I]
-            h = module._apply_gate(F.linear(rows[start:start + count], gate_up))
+            h = seam.expert_activation(module, F.linear(rows[start:start + count], gate_up))
             out[order[start:start + count]] = F.linear(h, down)
         out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
         return out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -71,11 +71,11 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     layers = seam.moe_layers(model)
-    first = layers[0].experts
+    first = layers[0]
     num_experts = first.num_experts
     for moe in layers:
         del moe.experts.gate_up_proj, moe.experts.down_proj  # the store takes their place
-    store = ExpertStore(len(layers), num_experts, first.hidden_dim, first.intermediate_dim, dtype, pin=pin)
+    store = ExpertStore(len(layers), num_experts, first.hidden, first.intermediate, dtype, pin=pin)
     moe_index = {moe.layer: i for i, moe in enumerate(layers)}
 
     known = {n for n, _ in model.named_parameters(remove_duplicate=False)}

@@ -34,10 +34,15 @@ def check_generate_arguments(model, args, kwargs) -> None:
         value = kwargs.get(name, getattr(config, name, None))
         if value not in (None, allowed):
             raise ValueError(f"assistant decoding does not support {name}={value!r} (only {allowed!r})")
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] != 1:
-        raise ValueError(f"assistant decoding runs one sequence at a time (batch size 1), got a batch of "
-                         f"{inputs.shape[0]}; loop over the prompts, or use generate() without assistant= for batches")
+    if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+        raise ValueError("assistant decoding verifies trees against the KV cache: use_cache=False is not supported")
+    for name in ("inputs_embeds", "prefill_chunk_size"):
+        if kwargs.get(name, getattr(config, name, None)) is not None:
+            raise ValueError(f"assistant decoding does not support {name}= (pass input_ids; prefill in one piece)")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None:
+        seam.check_cache(cache)
+    seam.check_attention(model)
 
 
 @torch.no_grad()
@@ -45,11 +50,15 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
            **model_kwargs):
     runtime = model.specfit
     if input_ids.shape[0] != 1:
-        raise ValueError(f"assistant decoding runs one sequence at a time, got a batch of {input_ids.shape[0]}")
+        raise ValueError(f"assistant decoding runs one sequence at a time (batch size 1), got a batch of "
+                         f"{input_ids.shape[0]}; loop over the prompts, or use generate() without assistant= for "
+                         f"batches")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise ValueError("assistant decoding takes an unpadded prompt (attention_mask has zeros)")
-    cache = seam.ensure_room(model, model_kwargs["cache"], generation_config.max_length + runtime.options.pool_nodes + 1)
+    cache = model_kwargs["cache"]
+    seam.check_cache(cache)
+    cache = seam.ensure_room(model, cache, generation_config.max_length + runtime.options.pool_nodes + 1)
     do_sample = bool(generation_config.do_sample)
     gen = assistant(model)
     run = _Run(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
@@ -58,13 +67,14 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
     # 0. prefill: the prompt's KV and features; its last logits give the first token (the first root)
     out = model(input_ids, cache=cache, position_ids=model_kwargs.get("position_ids"), use_cache=True,
                 logits_to_keep=1)
-    seam.check_cache(cache)
     features = runtime.aux_capture.features()  # [1, P, 3H]
     scope.prefill_done()
+    t0 = time.perf_counter()  # the first token and the drafter's pass over the prompt are decode work
     first = walk(lambda t: [], [], lambda t, acc: run.scores(out.logits[0, -1], acc), do_sample)
     run.commit(first)
     if not run.done:
         gen.start(features, torch.cat([input_ids[:, 1:], run.ids[:, -1:]], dim=1))
+    scope.timed(time.perf_counter() - t0)
 
     while not run.done:
         t0 = time.perf_counter()
@@ -73,7 +83,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         nodes = gen.select(tree, cycle)  # 2. select
         t_drafted = time.perf_counter()
         layout = verify_layout(tree, nodes, cycle.root, cycle.base, seam.kv_capacity(cache, len(nodes) + 1),
-                               out.logits.dtype, runtime.device)
+                               seam.compute_dtype(model), runtime.device)
         out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=layout.mask,
                     use_cache=True, logits_to_keep=0)  # 3. verify
         verify = runtime.stats.last_forward
@@ -89,6 +99,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
                     misses=verify.misses, seconds=time.perf_counter() - t0 - cycle.untimed_seconds,
                     untimed=cycle.untimed_seconds, draft_seconds=t_drafted - t0 - cycle.untimed_seconds)
 
+    seam.crop_kv(cache, run.ids.shape[1] - 1)  # tokens cut by the stopping criteria leave no KV behind
     scope.end(new_tokens=run.ids.shape[1] - input_ids.shape[1])
     if streamer is not None:
         streamer.end()

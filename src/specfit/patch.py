@@ -37,7 +37,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     if getattr(model, "specfit", None) is not None:
         raise RuntimeError("SpecFit is already enabled on this model; call specfit.disable(model) first")
     layers = seam.moe_layers(model)
-    first = layers[0].experts
+    first = layers[0]
     num_experts = first.num_experts
     if cache_slots is None:
         raise ValueError(f"cache_slots is required: expert slots per MoE layer on the device, 1..{num_experts}")
@@ -46,24 +46,26 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
                          f"got {cache_slots!r}")
     if isinstance(link, (int, float)) and not isinstance(link, bool):
         link = LinkConfig(seconds_per_expert=float(link))
+    elif link is not None and not isinstance(link, LinkConfig):
+        raise ValueError(f"link must be a LinkConfig or seconds per expert copy (a float), got {link!r}")
     config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin)
     device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
     if link is not None and device.type == "cuda":
         raise ValueError("link= emulates a host link for CPU studies; on CUDA the copies are real: leave it unset")
 
-    restore_params = store is None  # params existed and must come back on disable
-    param_device, param_dtype, requires_grad = torch.device("cpu"), None, False
+    # disable() gives the experts back as parameters where they were; a model built by from_pretrained never had
+    # them, so they come back on the compute device, beside the rest of the model
+    param_device, param_dtype, requires_grad = device, None, False
     if store is None:
-        gate_up = first.gate_up_proj
+        gate_up = first.experts.gate_up_proj
         param_device, param_dtype, requires_grad = gate_up.device, gate_up.dtype, gate_up.requires_grad
-        store = ExpertStore(len(layers), num_experts, first.hidden_dim, first.intermediate_dim, gate_up.dtype,
-                            pin=pin)
+        store = ExpertStore(len(layers), num_experts, first.hidden, first.intermediate, gate_up.dtype, pin=pin)
         for i, moe in enumerate(layers):
             with torch.no_grad():
                 store.write_fused(i, moe.experts.gate_up_proj, moe.experts.down_proj)
             del moe.experts.gate_up_proj, moe.experts.down_proj  # released: the store holds the only copy
 
-    runtime = SpecFitRuntime(store, config, device, [m.layer for m in layers])
+    runtime = SpecFitRuntime(store, config, device)
     for moe, layer_rt in zip(layers, runtime.layers):
         setattr(moe.experts, ATTR, layer_rt)
     previous_impl = seam.experts_implementation(model)
@@ -73,8 +75,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
              base.register_forward_hook(lambda module, args, output: runtime.end_forward())]
     original_class = seam.install_generation_strategy(model)
     runtime._restore = dict(previous_impl=previous_impl, hooks=hooks, original_class=original_class,
-                            restore_params=restore_params, param_device=param_device, param_dtype=param_dtype,
-                            requires_grad=requires_grad)
+                            param_device=param_device, param_dtype=param_dtype, requires_grad=requires_grad)
     model.specfit = runtime
     try:
         from .decoding import attach_decoding
@@ -87,13 +88,15 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
 
 
 def disable(model: nn.Module) -> nn.Module:
-    """Exact inverse of ``enable``: expert parameters, experts implementation, class and hooks are restored."""
+    """Exact inverse of ``enable``: expert parameters, experts implementation, class and hooks are restored. (For a
+    model made by ``specfit.from_pretrained`` the experts become parameters on the compute device.)"""
     runtime = getattr(model, "specfit", None)
     if runtime is None:
         raise RuntimeError("SpecFit is not enabled on this model")
     from .decoding import detach_decoding
 
     detach_decoding(model)
+    runtime.engine.close()  # no copy may still be writing into slots or reading the arenas
     r = runtime._restore
     for handle in r["hooks"]:
         handle.remove()

@@ -33,7 +33,7 @@ class RoutePredictor(nn.Module):
         """The target's routers stacked: the untrained ``gate`` predictor, and the predictor's initialisation."""
         layers = seam.moe_layers(model)
         gates = torch.stack([m.gate.weight.detach().float() for m in layers])  # [L, E, H]
-        top_k = layers[0].gate.top_k
+        top_k = layers[0].top_k
         head = cls(gates.shape[0], gates.shape[1], gates.shape[2], top_k)
         with torch.no_grad():
             head.weight.copy_(gates)

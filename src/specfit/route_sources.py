@@ -38,9 +38,8 @@ def oracle_routes(cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray
     t0 = time.perf_counter()
     model, cache = cycle.model, cycle.cache
     n = len(tree) + 1
-    dtype = model.get_input_embeddings().weight.dtype
-    layout = verify_layout(tree, range(len(tree)), cycle.root, cycle.base, seam.kv_capacity(cache, n), dtype,
-                           model.specfit.device)
+    layout = verify_layout(tree, range(len(tree)), cycle.root, cycle.base, seam.kv_capacity(cache, n),
+                           seam.compute_dtype(model), model.specfit.device)
     with model.specfit.measurement() as recorder, torch.no_grad():
         model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=layout.mask,
               use_cache=True, logits_to_keep=1)

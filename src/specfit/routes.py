@@ -25,7 +25,7 @@ class RouteRecorder:
     def __init__(self, num_layers: int, num_experts: int):
         self.num_layers, self.num_experts = num_layers, num_experts
         self._current: torch.Tensor | None = None  # [T, L, E] bool, on the compute device
-        self.last: torch.Tensor | None = None  # [T, L, E] bool, CPU: routes of the last finished forward
+        self._last: torch.Tensor | None = None  # [T, L, E] bool: routes of the last finished forward
 
     def begin(self) -> None:
         self._current = None
@@ -39,8 +39,15 @@ class RouteRecorder:
 
     def end(self) -> None:
         if self._current is not None:
-            self.last = self._current.cpu()
+            self._last = self._current  # stays on the device: no host sync unless someone reads it
         self._current = None
+
+    @property
+    def last(self) -> torch.Tensor | None:
+        """[T, L, E] bool on the CPU: the routes of the last finished forward."""
+        if self._last is not None and self._last.device.type != "cpu":
+            self._last = self._last.cpu()
+        return self._last
 
     def packed(self) -> np.ndarray:
         """The last forward's routes as packed bitmaps [T, L, ceil(E / 8)]."""

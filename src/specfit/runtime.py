@@ -13,9 +13,8 @@ from .expert_store import ExpertStore
 from .experts import LayerRuntime
 from .link import EmulatedLink, LinkConfig
 from .routes import RouteRecorder
+from .cost_model import CACHE_MODES
 from .stats import Counters, Stats
-
-CACHE_MODES = ("cached", "cleared")
 
 
 @dataclass(frozen=True)
@@ -28,20 +27,23 @@ class OffloadConfig:
     def __post_init__(self):
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+        if self.link is not None and not isinstance(self.link, LinkConfig):
+            raise ValueError(f"link must be a LinkConfig or None, got {self.link!r}")
 
 
 class SpecFitRuntime:
-    def __init__(self, store: ExpertStore, config: OffloadConfig, device: torch.device, layer_ids: list[int]):
+    def __init__(self, store: ExpertStore, config: OffloadConfig, device: torch.device):
         self.store, self.config, self.device = store, config, torch.device(device)
-        self.layer_ids = layer_ids  # decoder layer index of each MoE layer
+        num_layers = len(store.arenas)
         self.stats = Stats()
-        self.routes = RouteRecorder(len(layer_ids), store.num_experts)
+        self.routes = RouteRecorder(num_layers, store.num_experts)
         self.engine = CopyEngine(self.device, EmulatedLink(config.link) if config.link else None)
         self.layers = [LayerRuntime(self, i, LayerCache(store, i, config.cache_slots, self.engine))
-                       for i in range(len(layer_ids))]
+                       for i in range(num_layers)]
         self.forward_counters = Counters()
         self.untracked = False
         self.request = None  # the assistant of the generate() call in progress
+        self.request_served = False  # whether generate() reached SpecFit's loop for it
         # decoding parts, set by enable()
         self.drafter = None
         self.options = None
@@ -78,9 +80,9 @@ class SpecFitRuntime:
             layer.cache.prefetch([int(e) for e in row.nonzero()[0]], self.stats.total)
 
     def clear_cache(self) -> None:
-        """Empty every slot of every layer."""
+        """Empty every slot of every layer (prefetched experts no forward used count as wasted)."""
         for layer in self.layers:
-            layer.cache.clear()
+            layer.cache.clear(self.stats.total)
 
     # called by forward hooks on the model -----------------------------------------------------------------------
     def begin_forward(self) -> None:

@@ -15,10 +15,14 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.integrations.moe import ExpertsInterface
 
-from .experts import specfit_experts_forward
-
 EXPERTS_IMPL = "specfit"
-ExpertsInterface.register(EXPERTS_IMPL, specfit_experts_forward)
+
+
+def register_experts_implementation() -> None:
+    """Make ``"specfit"`` a name in transformers' experts interface (idempotent)."""
+    from .experts import specfit_experts_forward
+
+    ExpertsInterface.register(EXPERTS_IMPL, specfit_experts_forward)
 
 
 # --- Model structure ------------------------------------------------------------------------------------------
@@ -27,6 +31,32 @@ class MoELayer:
     layer: int  # decoder layer index
     experts: nn.Module  # has gate_up_proj [E, 2I, H] and down_proj [E, H, I] (or had, before enable)
     gate: nn.Module  # the router
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    @property
+    def hidden(self) -> int:
+        return self.experts.hidden_dim
+
+    @property
+    def intermediate(self) -> int:
+        return self.experts.intermediate_dim
+
+    @property
+    def top_k(self) -> int:
+        return self.gate.top_k
+
+
+def expert_activation(experts: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """[S, 2I] gate/up projections -> [S, I], with the experts module's own gating (act(gate) * up)."""
+    return experts._apply_gate(gate_up_out)
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype of the model's activations; tree masks are built in it (an additive float mask)."""
+    return model.get_input_embeddings().weight.dtype
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -62,6 +92,8 @@ def experts_implementation(model) -> str | None:
 
 
 def set_experts_implementation(model, name: str) -> None:
+    if name == EXPERTS_IMPL:
+        register_experts_implementation()
     model.set_experts_implementation(name)
 
 
@@ -84,11 +116,15 @@ class SpecFitGenerationMixin:
         spec = resolve_assistant(assistant)
         check_generate_arguments(self, args, kwargs)
         runtime = self.specfit
-        runtime.request = spec
+        runtime.request, runtime.request_served = spec, False
         try:
-            return super().generate(*args, **kwargs)
+            out = super().generate(*args, **kwargs)
         finally:
             runtime.request = None
+        if not runtime.request_served:  # generate() chose another decoding method than greedy/sampling
+            raise ValueError(f"assistant={assistant!r} needs greedy or sampling decoding, but these generate() "
+                             f"arguments selected another mode (beam search, prompt lookup, assistant_model, ...)")
+        return out
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
@@ -96,6 +132,7 @@ class SpecFitGenerationMixin:
         if runtime is not None and runtime.request is not None:
             from .loop import decode
 
+            runtime.request_served = True
             return decode(self, runtime.request, input_ids, logits_processor, stopping_criteria, generation_config,
                           streamer=streamer, **model_kwargs)
         scope = runtime.stats.begin_generate() if runtime is not None else None
@@ -172,6 +209,20 @@ def ensure_room(model, cache: Cache, needed: int) -> Cache:
 
 
 def check_cache(cache) -> None:
+    """Tree decoding compacts full-attention Dynamic/Static caches that start empty."""
     if not isinstance(cache, (DynamicCache, StaticCache)):
         raise TypeError(f"SpecFit's tree decoding supports DynamicCache and StaticCache, got {type(cache).__name__}; "
                         f"use the default cache or cache_implementation='static'")
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise ValueError("SpecFit's tree decoding does not support sliding-window cache layers")
+    if kv_length(cache) > 0:
+        raise ValueError(f"assistant decoding starts from an empty cache; the cache given holds {kv_length(cache)} "
+                         f"positions (pass the whole sequence as input_ids instead)")
+
+
+def check_attention(model) -> None:
+    """Tree verification needs an attention that honours a 4-D additive float mask."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("eager", "sdpa"):
+        raise ValueError(f"tree verification needs attn_implementation 'sdpa' or 'eager' (a 4-D additive mask), the "
+                         f"model uses {impl!r}; load it with attn_implementation='sdpa'")

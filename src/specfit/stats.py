@@ -20,7 +20,9 @@ class Counters:
     misses: int = 0  # = host-to-device copies (loads + streamed)
     streamed: int = 0  # misses copied through scratch because every slot was in use by the same forward
     bytes_copied: int = 0
-    copy_seconds: float = 0.0  # time compute waited for copies (measured, or emulated when a link is set)
+    # CPU: the time compute waited for copies (memcpy, plus the emulated link when one is set); CUDA: copy-engine busy
+    # time of the copies, counted once they have finished (so possibly in a later forward)
+    copy_seconds: float = 0.0
     prefetch_copies: int = 0  # copies started ahead of a forward (SpecFit's prefetch during drafting)
     prefetch_bytes: int = 0
     prefetch_wasted: int = 0  # prefetched experts the next forward did not need
@@ -138,6 +140,10 @@ class GenerateScope:
         if self.after_prefill is None:
             self.after_prefill = self.stats.total.copy()
             self.t_prefill = time.perf_counter()
+
+    def timed(self, seconds: float) -> None:
+        """Decode-phase work outside the cycles (the first token, the drafter's pass over the prompt)."""
+        self.stats.total.decode_seconds += seconds
 
     def cycle(self, pool: int, verified: int, committed: int, seconds: float, untimed: float, demand: int,
               misses: int, draft_seconds: float) -> None:

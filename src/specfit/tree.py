@@ -45,6 +45,13 @@ class DraftTree:
         return all(self.parents[v] < 0 or self.parents[v] in chosen for v in chosen)
 
 
+def ancestors_or_self(parents, v: int):
+    """v, its parent, ..., the child of the root (parents[v] == -1 ends the walk)."""
+    while v >= 0:
+        yield v
+        v = parents[v]
+
+
 @dataclass(frozen=True)
 class VerifyLayout:
     """The root + selected nodes as one forward: inputs, depth-based positions and the tree attention mask."""
@@ -63,6 +70,8 @@ def verify_layout(tree: DraftTree, nodes, root_token: int, base: int, kv_len: in
                   device) -> VerifyLayout:
     """``base``: committed positions already in the KV cache (the root goes to position ``base``)."""
     nodes = tuple(sorted(nodes))
+    if len(set(nodes)) != len(nodes) or any(not 0 <= v < len(tree) for v in nodes):
+        raise ValueError(f"selected nodes must be distinct pool indices in 0..{len(tree) - 1}, got {nodes}")
     if not tree.is_ancestor_closed(nodes):
         raise ValueError(f"selected nodes {nodes} are not ancestor-closed in the pool")
     tree_index = {v: j + 1 for j, v in enumerate(nodes)}
@@ -72,10 +81,8 @@ def verify_layout(tree: DraftTree, nodes, root_token: int, base: int, kv_len: in
     allowed = torch.zeros(n, kv_len, dtype=torch.bool)
     allowed[:, :base] = True
     for t in range(n):
-        a = t
-        while a >= 0:  # ancestors-or-self
+        for a in ancestors_or_self(parents, t):
             allowed[t, base + a] = True
-            a = parents[a]
     mask = torch.zeros(n, kv_len, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     tokens = torch.tensor([[root_token] + [tree.tokens[v] for v in nodes]], device=device)
     positions = torch.tensor([[base + d for d in depths]], device=device)
