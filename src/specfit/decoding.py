@@ -40,21 +40,22 @@ class DecodingOptions:
 
 
 class AuxCapture:
-    """Forward hooks on the target's decoder layers that keep the outputs the drafter fuses (low, mid, high)."""
+    """Forward hooks on the target's decoder layers that keep the outputs the drafter fuses (low, mid, high).
+    ``paused()`` true: forwards leave the kept outputs alone (the route oracle's must not overwrite verified ones)."""
 
-    def __init__(self, model, layer_ids):
+    def __init__(self, model, layer_ids, paused=lambda: False):
         layers = seam.decoder_layers(model)
         for i in layer_ids:
             if not 0 <= i < len(layers):
                 raise ValueError(f"drafter aux layer id {i} is outside the target's {len(layers)} layers")
-        self.runtime = model.specfit
+        self.paused = paused
         self.layer_ids = tuple(layer_ids)
         self.outputs: list[torch.Tensor | None] = [None] * len(layer_ids)
         self.handles = [layers[i].register_forward_hook(self._hook(j)) for j, i in enumerate(layer_ids)]
 
     def _hook(self, j):
         def hook(module, args, output):
-            if not self.runtime.untracked:  # the route oracle's forwards must not overwrite verified features
+            if not self.paused():
                 self.outputs[j] = output[0] if isinstance(output, tuple) else output
 
         return hook
@@ -110,7 +111,7 @@ def set_drafter(model, drafter) -> None:
         drafter.set_embedding(model.get_input_embeddings())
     drafter.eval()
     runtime.drafter = drafter
-    runtime.aux_capture = AuxCapture(model, drafter.config.aux_layer_ids)
+    runtime.aux_capture = AuxCapture(model, drafter.config.aux_layer_ids, paused=lambda: runtime.untracked)
 
 
 def detach_decoding(model) -> None:

@@ -78,29 +78,21 @@ def make_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, intermediate_size
 
 
 class TargetTap:
-    """The frozen target as a teacher: ``tap(input_ids)`` -> features [B, T, 3Ht] (low, mid, high), logits [B, T, V].
-
-    Hooks on the decoder layers keep their outputs, as ``specfit.decoding.AuxCapture`` does at inference.
-    """
+    """The frozen target as a teacher: ``tap(input_ids)`` -> features [B, T, 3Ht] (low, mid, high), logits [B, T, V],
+    captured by the same hooks as at inference (``specfit.decoding.AuxCapture``)."""
 
     def __init__(self, target, layer_ids):
-        self.target, self.outputs = target, [None] * len(layer_ids)
-        layers = target.model.layers
-        self.handles = [layers[i].register_forward_hook(self._hook(j)) for j, i in enumerate(layer_ids)]
+        from specfit.decoding import AuxCapture
 
-    def _hook(self, j):
-        def hook(module, args, output):
-            self.outputs[j] = output[0] if isinstance(output, tuple) else output
-        return hook
+        self.target, self.capture = target, AuxCapture(target, layer_ids)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.target(input_ids=input_ids, use_cache=False).logits  # right padding: no mask needed (causal)
-        return torch.cat(self.outputs, dim=-1), logits.float()
+        return self.capture.features(), logits.float()
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        self.capture.remove()
 
 
 class BatchPlan:
