@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,23 @@ def _read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
     return rows
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub can be asked at all (offline mode, or no route to it, says no at once instead of
+    after the datasets library's retries)."""
+    offline = [os.environ.get(name, "0") for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")]
+    if any(value not in ("0", "") for value in offline):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def _from_hub(name: str, config: str | None, split: str, limit: int | None) -> list[dict]:
+    if not hub_reachable():
+        raise DataUnavailable(f"no local data folder (set SPECFIT_DATA_DIR or place it at ../shared/data) and the "
+                              f"Hugging Face hub is not reachable (offline), so {name!r} cannot be loaded")
     try:
         from datasets import load_dataset
 
