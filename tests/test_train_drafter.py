@@ -34,14 +34,6 @@ def book_rows(n, seed):
                                                    for _ in range(6))} for i in range(n)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     texts = [GSM8K_PROMPT.format(question=r["question"]) + " " + r["answer"] for r in gsm_rows(200, 1)]

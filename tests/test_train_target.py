@@ -35,15 +35,6 @@ def book_rows(n, seed):
                                                  for _ in range(30))} for i in range(n)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from threads, and on a shared 2-core machine oversubscribed threads run 20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def splits():
     return corpus.build_splits(seed=0, gsm8k_val=20, gsm8k_rows=gsm_rows(300, 1), openstax_rows=book_rows(40, 2))

@@ -9,3 +9,14 @@ def default_work_dir(command: str) -> Path:
     from ..cost_model import cache_root
 
     return cache_root() / "work" / command
+
+
+def load_checkpoint(path: Path, config: dict) -> dict:
+    """A training checkpoint written with the same ``config``; another config is refused, since the schedule and
+    the batches depend on every field."""
+    import torch
+
+    saved = torch.load(path, weights_only=False)
+    if saved["config"] != config:
+        raise ValueError(f"{path} was written with {saved['config']}, not {config}")
+    return saved

@@ -24,6 +24,7 @@ import torch
 
 import specfit
 from specfit.drafter import Eagle3Config, Eagle3Drafter
+from specfit.training import load_checkpoint
 from specfit.training.responses import ResponseConfig, Responses, build_prompts, generate_responses
 from specfit.training.target import lr_at
 from specfit.training.ttt import draft_vocab_from_counts, ttt_loss
@@ -166,9 +167,7 @@ def train(drafter, target, data: Responses, train_idx: list[int], heldout_idx: l
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / CHECKPOINT
     if resume and ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False)
-        if saved["config"] != asdict(cfg):  # the schedule and batches depend on every field
-            raise ValueError(f"{ckpt} was written with {saved['config']}, not {asdict(cfg)}")
+        saved = load_checkpoint(ckpt, asdict(cfg))
         drafter.load_state_dict(saved["drafter"])
         opt.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["torch_rng"])

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specfit.datasets import GSM8K_PROMPT, data_dir, gsm8k
-from specfit.training import corpus
+from specfit.training import corpus, load_checkpoint
 from specfit.training.tokenizer import EOS_ID, load_tokenizer, train_tokenizer
 
 # Model presets. "embedded" is the shipped model (5.59 M params); "tiny" is for tests and smoke runs.
@@ -165,9 +165,7 @@ def train(model, streams: dict, cfg: TrainConfig, work: Path, resume: bool = Fal
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / CHECKPOINT
     if resume and ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False)
-        if saved["config"] != asdict(cfg):  # the schedule and sampling depend on every field
-            raise ValueError(f"{ckpt} was written with {saved['config']}, not {asdict(cfg)}")
+        saved = load_checkpoint(ckpt, asdict(cfg))
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         sampler.load_state_dict(saved["sampler"])
