@@ -61,7 +61,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
     cache = seam.ensure_room(model, cache, generation_config.max_length + runtime.options.pool_nodes + 1)
     do_sample = bool(generation_config.do_sample)
     gen = assistant(model)
-    run = _Run(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+    run = _Run(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
     scope = runtime.stats.begin_generate()
 
     # 0. prefill: the prompt's KV and features; its last logits give the first token (the first root)
@@ -110,7 +110,7 @@ class _Run:
     """The sequence being generated: logits processing per tree node, committing tokens one by one against the
     stopping criteria (max length, eos, stop strings) exactly as plain decoding does, streaming, outputs."""
 
-    def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
+    def __init__(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
         self.ids, self.processors, self.stopping = input_ids, logits_processor, stopping_criteria
         self.config, self.streamer = generation_config, streamer
         self.done = False
@@ -122,18 +122,21 @@ class _Run:
         prefix = self.ids if not accepted else torch.cat(
             [self.ids, torch.tensor([accepted], device=self.ids.device)], dim=1)
         raw = logits.float()[None]  # [1, V]
-        self._raw.append(raw)
-        return self.processors(prefix, raw.clone())[0]
+        if self.config.output_logits:  # kept only when asked for: processors may change their input in place
+            self._raw.append(raw)
+            raw = raw.clone()
+        return self.processors(prefix, raw)[0]
 
     def commit(self, acc) -> int:
         """Append the accepted tokens and the bonus token, stopping where the stopping criteria say; returns how
         many were committed."""
         new = []
         raw, self._raw = self._raw, []
-        for token, scores, logits in zip(acc.tokens, acc.scores, raw):
+        for i, (token, scores) in enumerate(zip(acc.tokens, acc.scores)):
             self.ids = torch.cat([self.ids, torch.tensor([[token]], device=self.ids.device)], dim=1)
             self.all_scores.append(scores[None])
-            self.all_logits.append(logits)
+            if raw:
+                self.all_logits.append(raw[i])
             new.append(token)
             if bool(self.stopping(self.ids, tuple(self.all_scores)).any()):
                 self.done = True
