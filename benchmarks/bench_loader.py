@@ -31,7 +31,7 @@ CHILD = textwrap.dedent("""
     import accelerate, safetensors, transformers
     from transformers import AutoModelForCausalLM
     import transformers.models.qwen3_moe.modeling_qwen3_moe
-    import specfit, specfit.loader, specfit.patch
+    import specfit, specfit.offload.loader, specfit.patch
 
     def status(field):
         for line in open("/proc/self/status"):

@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from specfit.cost_model import CostModel
-from specfit.selector import select_subtree
+from specfit.selection.cost_model import CostModel
+from specfit.selection.selector import select_subtree
 
 LAYERS, EXPERTS, TOP_K = 48, 128, 8
 

@@ -142,7 +142,7 @@ if Version(transformers.__version__) < Version("5.24"):
              f"`bash benchmarks/gpu_wheels.sh` where PyPI is reachable and carry .whl to this machine.")
 if not torch.cuda.is_available() and os.environ.get("ALLOW_CPU") != "1":
     sys.exit("FAIL: torch.cuda.is_available() is False")
-import specfit, specfit.calibrate, specfit.loader, specfit.patch
+import specfit, specfit.evaluation.calibrate, specfit.offload.loader, specfit.patch
 print(f"specfit {specfit.__version__} from {specfit.__file__}")
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)

@@ -210,8 +210,8 @@ def write_drafter(out, config: dict, draft_vocab_size: int | None = None, seed: 
     the target's heads, aux layers ``Eagle3Config.default_aux_layer_ids``; weights ``normal * 0.02``, norms 1."""
     from transformers import Qwen3MoeConfig
 
-    from specfit.drafter import Eagle3Config, Eagle3Drafter
-    from specfit.drafter_io import save_drafter
+    from specfit.drafting.drafter import Eagle3Config, Eagle3Drafter
+    from specfit.drafting.formats import save_drafter
 
     t0 = time.perf_counter()
     target = Qwen3MoeConfig(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype",

@@ -4,7 +4,7 @@
 # emulated host link that the demo and the bench use. Run from the repository root on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LINK_MS=$(python -c "from specfit.evaluation import EMBEDDED_LINK_S; print(EMBEDDED_LINK_S * 1e3)")
+LINK_MS=$(python -c "from specfit.evaluation.harness import EMBEDDED_LINK_S; print(EMBEDDED_LINK_S * 1e3)")
 for regime in nolink link; do
   extra=(); [ "$regime" = link ] && extra=(--link-ms "$LINK_MS")
   for slots in 24 12 6; do

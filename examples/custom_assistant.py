@@ -10,7 +10,7 @@ import torch
 
 import specfit
 from specfit import embedded
-from specfit.assistants import Eagle3Generator
+from specfit import Eagle3Generator
 
 
 class ChainGenerator(Eagle3Generator):

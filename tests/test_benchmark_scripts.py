@@ -14,9 +14,9 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import specfit
-from specfit.cost_model import CostModel
-from specfit.drafter import Eagle3Config
-from specfit.drafter_io import load_drafter
+from specfit.selection.cost_model import CostModel
+from specfit.drafting.drafter import Eagle3Config
+from specfit.drafting.formats import load_drafter
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))

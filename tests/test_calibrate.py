@@ -8,17 +8,17 @@ import torch
 from conftest import SelfDrafter, tiny_moe
 
 import specfit
-from specfit.calibrate import calibrate
-from specfit.cost_model import CostModel, ProfileError, profile_path
-from specfit.decoding import device_name, model_id, resolve_cost_model
-from specfit.route_sources import Cycle, oracle_routes
-from specfit.tree import DraftTree
+from specfit.evaluation.calibrate import calibrate
+from specfit.selection.cost_model import CostModel, ProfileError, profile_path
+from specfit.selection.profiles import device_name, model_id, resolve_cost_model
+from specfit.selection.route_sources import Cycle, oracle_routes
+from specfit.drafting.tree import DraftTree
 
 PROMPTS = [torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
 
 
 def random_drafter(model, seed=0):
-    from specfit.drafter import Eagle3Config, Eagle3Drafter
+    from specfit.drafting.drafter import Eagle3Config, Eagle3Drafter
 
     torch.manual_seed(seed)
     config = Eagle3Config.from_target(model.config, draft_vocab_size=256, intermediate_size=128)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import specfit.cost_model
-from specfit.cost_model import CostModel, ProfileError, Record, profile_dir, profile_path
+import specfit.selection.cost_model
+from specfit.selection.cost_model import CostModel, ProfileError, Record, profile_dir, profile_path
 
 REFERENCE = Path(__file__).resolve().parents[1] / "calibration" / "paper_reference.json"
 
@@ -135,7 +135,7 @@ def test_default_is_the_papers_a100_beta_with_flat_placeholder_intercepts():
 
 
 def test_docstring_examples_run():
-    assert doctest.testmod(specfit.cost_model).failed == 0
+    assert doctest.testmod(specfit.selection.cost_model).failed == 0
 
 
 # ---- profiles ------------------------------------------------------------------------------------------------------

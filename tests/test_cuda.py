@@ -12,11 +12,11 @@ from conftest import tiny_moe, tiny_moe_config
 from transformers import AutoModelForCausalLM
 
 import specfit
-from specfit.cost_model import CostModel
-from specfit.decoding import configure
-from specfit.drafter import Eagle3Config, Eagle3Drafter
-from specfit.expert_cache import CopyEngine
-from specfit.expert_store import ExpertStore
+from specfit.selection.cost_model import CostModel
+from specfit.patch import configure
+from specfit.drafting.drafter import Eagle3Config, Eagle3Drafter
+from specfit.offload.cache import CopyEngine
+from specfit.offload.store import ExpertStore
 from specfit.stats import Counters
 
 pytestmark = [

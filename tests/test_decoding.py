@@ -8,8 +8,8 @@ import torch
 from conftest import SelfDrafter, tiny_moe
 
 import specfit
-from specfit.cost_model import CostModel
-from specfit.decoding import configure
+from specfit.selection.cost_model import CostModel
+from specfit.patch import configure
 
 PROMPTS = [torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 8, 21, 34, 50)]
 SHAPES = [  # topk, depth, pool_nodes, max_nodes

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from specfit.drafter import DraftCache, Eagle3Config, Eagle3Drafter
+from specfit.drafting.drafter import DraftCache, Eagle3Config, Eagle3Drafter
 from specfit.training.ttt import _ttt_attention, draft_vocab_from_counts, ttt_loss, ttt_unroll
 
 V, VD, H, HT = 96, 40, 32, 24  # target vocab, draft vocab, drafter hidden, target hidden (3*HT = 72 != H)

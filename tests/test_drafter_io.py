@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specfit.drafter import Eagle3Config, Eagle3Drafter
-from specfit.drafter_io import load_drafter, save_drafter
+from specfit.drafting.drafter import Eagle3Config, Eagle3Drafter
+from specfit.drafting.formats import load_drafter, save_drafter
 from specfit.training.ttt import draft_vocab_from_counts
 
 V, H, VD, N_LAYERS = 256, 64, 100, 4  # the tiny target: vocab, hidden, layers; the drafter's draft vocab
@@ -90,14 +90,14 @@ def speculators_config(config):
 def test_save_load_round_trip(tmp_path, target):
     drafter = make_drafter()
     drafter.set_embedding(target.get_input_embeddings())
-    drafter.save_pretrained(tmp_path / "d")
+    save_drafter(drafter, tmp_path / "d")
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 1, 0], "use_aux_hidden_state": True}
     keys = set(load_file(str(tmp_path / "d" / "model.safetensors")))
     assert "midlayer.self_attn.q_proj.weight" in keys and not any("embed" in k for k in keys)
 
-    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d", target=target)
+    loaded = load_drafter(tmp_path / "d", target=target)
     assert loaded.config == drafter.config
     assert torch.equal(run(loaded), run(drafter))
     assert loaded._shared_embedding is target.get_input_embeddings()

@@ -80,7 +80,7 @@ PEAK_RSS_SCRIPT = textwrap.dedent("""
     import sys, torch, accelerate, safetensors, transformers
     from transformers import AutoConfig, AutoModelForCausalLM
     import transformers.models.qwen3_moe.modeling_qwen3_moe
-    import specfit, specfit.loader
+    import specfit, specfit.offload.loader
 
     def status(field):
         for line in open("/proc/self/status"):

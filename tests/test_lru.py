@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from specfit.lru import LRUSlots
+from specfit.offload.lru import LRUSlots
 
 
 def test_golden_trace_two_slots():

@@ -8,8 +8,8 @@ from conftest import tiny_moe
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import specfit
-from specfit.lru import LRUSlots
-from specfit.routes import pack, unpack
+from specfit.offload.lru import LRUSlots
+from specfit.offload.routes import pack, unpack
 
 E, K, LAYERS = 16, 4, 4
 

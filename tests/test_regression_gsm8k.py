@@ -7,8 +7,9 @@ Greedy decoding is deterministic, so the counts compared here are too.
 import pytest
 import torch
 
-from specfit import datasets, embedded
-from specfit.cost_model import CostModel
+from specfit.evaluation import datasets
+from specfit import embedded
+from specfit.selection.cost_model import CostModel
 
 SLOTS = 24  # of 64: the paper's 48 of 128
 MAX_NEW_TOKENS = 96

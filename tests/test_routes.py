@@ -6,10 +6,10 @@ from conftest import SelfDrafter, tiny_moe
 from test_calibrate import random_drafter
 
 import specfit
-from specfit.calibrate import calibrate
-from specfit.cost_model import CostModel
-from specfit.decoding import configure
-from specfit.route_predictor import RoutePredictor, recall
+from specfit.evaluation.calibrate import calibrate
+from specfit.selection.cost_model import CostModel
+from specfit.patch import configure
+from specfit.selection.route_predictor import RoutePredictor, recall
 from specfit.training.router import collect, train
 
 PROMPT = torch.randint(2, 256, (1, 11), generator=torch.Generator().manual_seed(11))

@@ -12,7 +12,7 @@ from conftest import SelfDrafter, tiny_moe
 from scipy.stats import chisquare
 
 import specfit
-from specfit.acceptance import walk
+from specfit.decoding.acceptance import walk
 
 ALPHA = 1e-3
 

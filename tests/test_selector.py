@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-import specfit.selector
-from specfit.cost_model import CostModel
-from specfit.selector import REL_TIE, Selection, node_depths, select_subtree, takes_from_level
+import specfit.selection.selector
+from specfit.selection.cost_model import CostModel
+from specfit.selection.selector import REL_TIE, Selection, node_depths, select_subtree, takes_from_level
 
 
 # ---- pools --------------------------------------------------------------------------------------------------------
@@ -302,10 +302,10 @@ def test_bad_inputs_raise_helpful_errors(change, message):
 
 
 def test_docstring_examples_run():
-    assert doctest.testmod(specfit.selector).failed == 0
+    assert doctest.testmod(specfit.selection.selector).failed == 0
 
 
 def test_rules_import_no_torch():
-    code = "import sys, specfit.selector, specfit.cost_model; print('torch' in sys.modules)"
+    code = "import sys, specfit.selection.selector, specfit.selection.cost_model; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

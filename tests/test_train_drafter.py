@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import specfit
-from specfit.datasets import CNN_PROMPT, GSM8K_PROMPT
-from specfit.drafter_io import load_drafter, save_drafter
+from specfit.evaluation.datasets import CNN_PROMPT, GSM8K_PROMPT
+from specfit.drafting.formats import load_drafter, save_drafter
 from specfit.training import drafter as td
 from specfit.training.responses import ResponseConfig, build_prompts, generate_responses
 from specfit.training.target import make_config, save_final

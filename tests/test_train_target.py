@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from specfit.datasets import EOS_TEXT
+from specfit.evaluation.datasets import EOS_TEXT
 from specfit.training import corpus, routing_stats as rs
 from specfit.training.target import TrainConfig, lr_at, make_config, train
 from specfit.training.tokenizer import EOS_ID, load_tokenizer, train_tokenizer

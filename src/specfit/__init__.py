@@ -9,28 +9,32 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _LAZY = {
-    # offloaded experts and the model patch
+    # wiring: the model patch, and loading with offloaded experts
     "enable": "specfit.patch",
     "disable": "specfit.patch",
-    "from_pretrained": "specfit.loader",
-    "LinkConfig": "specfit.link",
-    "OffloadConfig": "specfit.runtime",
+    "configure": "specfit.patch",
+    "from_pretrained": "specfit.patch",
+    # offload
+    "LinkConfig": "specfit.offload.link",
+    "OffloadConfig": "specfit.offload.config",
     "Stats": "specfit.stats",
     "Counters": "specfit.stats",
-    # drafting and decoding
-    "Eagle3Drafter": "specfit.drafter",
-    "Eagle3Config": "specfit.drafter",
-    "load_drafter": "specfit.drafter_io",
-    "save_drafter": "specfit.drafter_io",
-    "DraftTree": "specfit.tree",
-    "register_assistant": "specfit.assistants",
-    "configure": "specfit.decoding",
-    "DecodingOptions": "specfit.decoding",
-    "ASSISTANTS": "specfit.assistants",
+    # drafting
+    "Eagle3Drafter": "specfit.drafting.drafter",
+    "Eagle3Config": "specfit.drafting.drafter",
+    "load_drafter": "specfit.drafting.formats",
+    "save_drafter": "specfit.drafting.formats",
+    "DraftTree": "specfit.drafting.tree",
+    # decoding
+    "register_assistant": "specfit.decoding.assistants",
+    "ASSISTANTS": "specfit.decoding.assistants",
+    "TreeCandidateGenerator": "specfit.decoding.assistants",
+    "Eagle3Generator": "specfit.decoding.assistants",
+    "DecodingOptions": "specfit.decoding.options",
     # the method's rules (pure, no torch)
-    "select_subtree": "specfit.selector",
-    "Selection": "specfit.selector",
-    "CostModel": "specfit.cost_model",
+    "select_subtree": "specfit.selection.selector",
+    "Selection": "specfit.selection.selector",
+    "CostModel": "specfit.selection.cost_model",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

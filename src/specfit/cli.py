@@ -9,9 +9,9 @@ from importlib import import_module
 
 # name -> (module, one-line help). Listed here so that `specfit --help` needs no heavy import.
 SUBCOMMANDS = {
-    "demo": ("specfit.demo", "run the embedded model with AR, EAGLE-3 and SpecFit and print a small table"),
-    "bench": ("specfit.bench", "reproduce the paper's table on the embedded model (slots sweep, two link regimes)"),
-    "calibrate": ("specfit.calibrate", "fit the cycle-time model a(n) + beta * demand for this device"),
+    "demo": ("specfit.evaluation.demo", "run the embedded model with AR, EAGLE-3 and SpecFit and print a small table"),
+    "bench": ("specfit.evaluation.bench", "reproduce the paper's table on the embedded model (slots sweep, two link regimes)"),
+    "calibrate": ("specfit.evaluation.calibrate", "fit the cycle-time model a(n) + beta * demand for this device"),
     "train-target": ("specfit.training.target", "train the embedded Qwen3-MoE (and its tokenizer) from scratch"),
     "train-drafter": ("specfit.training.drafter", "train the embedded EAGLE-3 drafter on target-generated text"),
     "train-router": ("specfit.training.router", "train the route predictor for draft nodes"),

@@ -1,4 +1,4 @@
-"""``enable`` and ``disable``: attach SpecFit to a transformers MoE model, and take it off again.
+"""``enable``, ``disable``, ``configure`` and ``from_pretrained``: the one place that wires the stages together.
 
 ``enable`` moves every routed expert into the host ``ExpertStore`` (releasing the model's own 3-D expert
 parameters: no second copy anywhere), gives each MoE layer a slot cache on the compute device, selects the
@@ -8,14 +8,24 @@ generation strategy into the model's class. ``disable`` undoes each step, so out
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from . import seam
-from .experts import ATTR
-from .expert_store import ExpertStore
-from .link import LinkConfig
-from .runtime import OffloadConfig, SpecFitRuntime
+from .decoding.options import DecodingOptions
+from .decoding.strategy import install_generation_strategy, remove_generation_strategy
+from .drafting.capture import AuxCapture
+from .drafting.formats import load_drafter
+from .offload.config import OffloadConfig
+from .offload.experts import ATTR, specfit_experts_forward
+from .offload.link import LinkConfig
+from .offload.loader import load_offloaded
+from .offload.runtime import SpecFitRuntime
+from .offload.store import ExpertStore
+from .selection.route_predictor import CONFIG, RoutePredictor
 
 
 def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str = "cached",
@@ -31,7 +41,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
         device: the compute device; defaults to where the model's embeddings are.
         drafter: an EAGLE-3 drafter (module or checkpoint path) for ``generate(..., assistant=...)``.
         store: an already filled ``ExpertStore`` (used by ``specfit.from_pretrained``).
-        **decoding: decoding options (see ``specfit.decoding.DecodingOptions``).
+        **decoding: decoding options (see ``specfit.DecodingOptions``).
     Returns the same model, patched; ``model.specfit`` is the runtime with ``.stats``.
     """
     if getattr(model, "specfit", None) is not None:
@@ -69,17 +79,15 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     for moe, layer_rt in zip(layers, runtime.layers):
         setattr(moe.experts, ATTR, layer_rt)
     previous_impl = seam.experts_implementation(model)
-    seam.set_experts_implementation(model, seam.EXPERTS_IMPL)
+    seam.set_experts_implementation(model, seam.EXPERTS_IMPL, specfit_experts_forward)
     base = model.model
     hooks = [base.register_forward_pre_hook(lambda module, args: runtime.begin_forward()),
              base.register_forward_hook(lambda module, args, output: runtime.end_forward())]
-    original_class = seam.install_generation_strategy(model)
+    original_class = install_generation_strategy(model)
     runtime._restore = dict(previous_impl=previous_impl, hooks=hooks, original_class=original_class,
                             param_device=param_device, param_dtype=param_dtype, requires_grad=requires_grad)
     model.specfit = runtime
     try:
-        from .decoding import attach_decoding
-
         attach_decoding(model, drafter=drafter, **decoding)
     except BaseException:
         disable(model)
@@ -93,14 +101,12 @@ def disable(model: nn.Module) -> nn.Module:
     runtime = getattr(model, "specfit", None)
     if runtime is None:
         raise RuntimeError("SpecFit is not enabled on this model")
-    from .decoding import detach_decoding
-
     detach_decoding(model)
     runtime.engine.close()  # no copy may still be writing into slots or reading the arenas
     r = runtime._restore
     for handle in r["hooks"]:
         handle.remove()
-    seam.remove_generation_strategy(model, r["original_class"])
+    remove_generation_strategy(model, r["original_class"])
     seam.set_experts_implementation(model, r["previous_impl"])
     for i, moe in enumerate(seam.moe_layers(model)):
         if hasattr(moe.experts, ATTR):
@@ -112,3 +118,70 @@ def disable(model: nn.Module) -> nn.Module:
     runtime.store.release()
     del model.specfit
     return model
+
+
+def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None = None, device=None,
+                    revision: str | None = None, pin: bool | str = "auto", **enable_kwargs) -> nn.Module:
+    """Load a Qwen3-MoE checkpoint with its routed experts offloaded; returns the enabled model.
+
+    Args:
+        path_or_id: a local checkpoint folder or a hub repo id (e.g. ``"Qwen/Qwen3-30B-A3B"``).
+        cache_slots: expert slots per MoE layer on the device (see ``specfit.enable``).
+        dtype: weight dtype; defaults to the checkpoint's (``config.dtype``), else float32.
+        device: compute device; defaults to CUDA when available, else CPU.
+        **enable_kwargs: passed to ``specfit.enable`` (``drafter``, ``link``, ``cache_mode``, ...).
+    """
+    model, store, device = load_offloaded(path_or_id, dtype=dtype, device=device, revision=revision, pin=pin)
+    return enable(model, cache_slots=cache_slots, store=store, device=device, pin=pin, **enable_kwargs)
+
+
+# --- decoding parts -------------------------------------------------------------------------------------------
+def attach_decoding(model, drafter=None, cost_model=None, route_predictor=None, **options) -> None:
+    runtime = model.specfit
+    runtime.options = _checked(runtime, DecodingOptions(**options))
+    runtime.cost_model = cost_model
+    if drafter is not None:
+        set_drafter(model, drafter)
+    if route_predictor is not None:
+        runtime.route_predictor = route_predictor if isinstance(route_predictor, torch.nn.Module) else \
+            RoutePredictor.load(route_predictor, model)
+
+
+def _checked(runtime, options: DecodingOptions) -> DecodingOptions:
+    """Options that depend on how the model was enabled."""
+    if options.prefetch and runtime.config.cache_mode == "cleared":
+        raise ValueError("prefetch=True needs cache_mode='cached': a cleared cache drops prefetched experts")
+    return options
+
+
+def set_drafter(model, drafter) -> None:
+    """Attach an EAGLE-3 drafter (module, or checkpoint folder checked against the target at load)."""
+    runtime = model.specfit
+    if runtime.aux_capture is not None:
+        runtime.aux_capture.remove()
+    if not isinstance(drafter, torch.nn.Module):
+        folder = Path(drafter)
+        drafter = load_drafter(folder, target=model)
+        if (folder / CONFIG).is_file():  # a route predictor saved beside the drafter
+            runtime.route_predictor = RoutePredictor.load(folder, model)
+    weight = model.get_input_embeddings().weight
+    drafter.to(device=runtime.device, dtype=weight.dtype)
+    if getattr(drafter, "embed_tokens", None) is None:
+        drafter.set_embedding(model.get_input_embeddings())
+    drafter.eval()
+    runtime.drafter = drafter
+    runtime.aux_capture = AuxCapture(model, drafter.config.aux_layer_ids, paused=lambda: runtime.untracked)
+
+
+def detach_decoding(model) -> None:
+    runtime = model.specfit
+    if runtime.aux_capture is not None:
+        runtime.aux_capture.remove()
+    runtime.aux_capture = runtime.drafter = None
+
+
+def configure(model, **options) -> DecodingOptions:
+    """Change decoding options on an enabled model, e.g. ``configure(model, max_nodes=5)``."""
+    runtime = model.specfit
+    runtime.options = _checked(runtime, replace(runtime.options, **options))
+    return runtime.options

@@ -1,9 +1,9 @@
 """The one file that touches transformers internals.
 
 Everything here relies on details of transformers 5.x that are not public API: the experts-implementation registry
-and ``config._experts_implementation``, the private ``_sample`` decoding method that ``generate()`` dispatches to,
-the layout of Qwen3-MoE decoder layers, and the tensors inside cache layers. When transformers moves, this file
-moves; nothing else should need to.
+and ``config._experts_implementation``, the layout of Qwen3-MoE decoder layers, and the tensors inside cache layers.
+(The private ``_sample`` method that ``generate()`` dispatches to is named in ``decoding/strategy.py``, the one class
+that overrides it.) When transformers moves, this file moves. It is the bottom layer: it imports nothing of SpecFit's.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from transformers.integrations.moe import ExpertsInterface
 EXPERTS_IMPL = "specfit"
 
 
-def register_experts_implementation() -> None:
-    """Make ``"specfit"`` a name in transformers' experts interface (idempotent)."""
-    from .experts import specfit_experts_forward
-
-    ExpertsInterface.register(EXPERTS_IMPL, specfit_experts_forward)
+def register_experts_implementation(forward) -> None:
+    """Make ``"specfit"`` a name in transformers' experts interface, bound to ``forward`` (idempotent)."""
+    ExpertsInterface.register(EXPERTS_IMPL, forward)
 
 
 # --- Model structure ------------------------------------------------------------------------------------------
@@ -91,69 +89,13 @@ def experts_implementation(model) -> str | None:
     return model.config._experts_implementation
 
 
-def set_experts_implementation(model, name: str) -> None:
+def set_experts_implementation(model, name: str, forward=None) -> None:
+    """Select experts implementation ``name``; for ``"specfit"``, ``forward`` is the function it names."""
     if name == EXPERTS_IMPL:
-        register_experts_implementation()
+        if forward is None:
+            raise ValueError("the 'specfit' experts implementation needs its forward function")
+        register_experts_implementation(forward)
     model.set_experts_implementation(name)
-
-
-# --- generate(): the strategy that dispatches to SpecFit's decoding loop --------------------------------------
-class SpecFitGenerationMixin:
-    """Mixed into the model's class by ``enable``: ``generate(..., assistant=NAME)`` runs SpecFit's tree decoding
-    loop with the named assistant; without ``assistant`` it is transformers' own ``generate()``.
-
-    transformers runs all of its usual preparation (generation config, logits processors, stopping criteria incl.
-    stop strings, cache, streamer) and then calls the private ``_sample`` for greedy and sampling modes; the
-    override takes over there.
-    """
-
-    def generate(self, *args, assistant: str | None = None, **kwargs):
-        if assistant is None:
-            return super().generate(*args, **kwargs)
-        from .assistants import resolve_assistant
-        from .loop import check_generate_arguments
-
-        spec = resolve_assistant(assistant)
-        check_generate_arguments(self, args, kwargs)
-        runtime = self.specfit
-        runtime.request, runtime.request_served = spec, False
-        try:
-            out = super().generate(*args, **kwargs)
-        finally:
-            runtime.request = None
-        if not runtime.request_served:  # generate() chose another decoding method than greedy/sampling
-            raise ValueError(f"assistant={assistant!r} needs greedy or sampling decoding, but these generate() "
-                             f"arguments selected another mode (beam search, prompt lookup, assistant_model, ...)")
-        return out
-
-    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                streamer=None, **model_kwargs):
-        runtime = getattr(self, "specfit", None)
-        if runtime is not None and runtime.request is not None:
-            from .loop import decode
-
-            runtime.request_served = True
-            return decode(self, runtime.request, input_ids, logits_processor, stopping_criteria, generation_config,
-                          streamer=streamer, **model_kwargs)
-        scope = runtime.stats.begin_generate() if runtime is not None else None
-        out = super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
-                              synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
-        if scope is not None:
-            sequences = out if isinstance(out, torch.Tensor) else out.sequences
-            scope.end(new_tokens=(sequences.shape[1] - input_ids.shape[1]) * sequences.shape[0], autoregressive=True)
-        return out
-
-
-def install_generation_strategy(model) -> type:
-    """Swap the model's class for a subclass with the SpecFit strategy (same name, so ``save_pretrained`` still
-    writes the original architecture); return the original class for ``remove_generation_strategy``."""
-    cls = type(model)
-    model.__class__ = type(cls.__name__, (SpecFitGenerationMixin, cls), {"__module__": cls.__module__})
-    return cls
-
-
-def remove_generation_strategy(model, original_class: type) -> None:
-    model.__class__ = original_class
 
 
 # --- KV cache -------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ def load(cache_slots: int, *, drafter: bool = True, dtype=None, **enable_kwargs)
     import torch
     from transformers import AutoTokenizer
 
-    from ..loader import from_pretrained
+    from ..patch import from_pretrained
 
     if not available():
         raise FileNotFoundError(f"the embedded model is missing from {HERE}; reinstall specfit, or train it with "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specfit.datasets import EOS_TEXT, GSM8K_PROMPT, gsm8k, openstax
+from ..evaluation.datasets import EOS_TEXT, GSM8K_PROMPT, gsm8k, openstax
 
 SOURCES = ("gsm8k", "openstax")
 # Half the windows from each source: GSM8K is the main benchmark and would be drowned by the ~5x larger OpenStax.
@@ -74,7 +74,7 @@ def build_splits(seed: int = 0, gsm8k_val: int = 300, openstax_val_frac: float =
 
 def encode_stream(tokenizer, docs: list[str]) -> np.ndarray:
     """Encode documents and concatenate them: int16 when the vocabulary fits, else int32. ``[num_tokens]``"""
-    from specfit.training.tokenizer import encode_batch
+    from .tokenizer import encode_batch
 
     dtype = np.int16 if len(tokenizer) <= np.iinfo(np.int16).max else np.int32
     ids = encode_batch(tokenizer, docs)

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 import specfit
-from specfit.drafter import Eagle3Config, Eagle3Drafter
-from specfit.training import load_checkpoint
-from specfit.training.responses import ResponseConfig, Responses, build_prompts, generate_responses
-from specfit.training.target import lr_at
-from specfit.training.ttt import draft_vocab_from_counts, ttt_loss
+from ..drafting.drafter import Eagle3Config, Eagle3Drafter
+from . import load_checkpoint
+from .responses import ResponseConfig, Responses, build_prompts, generate_responses
+from .target import lr_at
+from .ttt import draft_vocab_from_counts, ttt_loss
 
 EMBEDDED = Path(specfit.__file__).parent / "embedded"
 CHECKPOINT = "checkpoint.pt"
@@ -80,10 +80,10 @@ def make_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, intermediate_size
 
 class TargetTap:
     """The frozen target as a teacher: ``tap(input_ids)`` -> features [B, T, 3Ht] (low, mid, high), logits [B, T, V],
-    captured by the same hooks as at inference (``specfit.decoding.AuxCapture``)."""
+    captured by the same hooks as at inference (``specfit.drafting.capture.AuxCapture``)."""
 
     def __init__(self, target, layer_ids):
-        from specfit.decoding import AuxCapture
+        from ..drafting.capture import AuxCapture
 
         self.target, self.capture = target, AuxCapture(target, layer_ids)
 
@@ -246,9 +246,9 @@ def measure(target_dir: Path, out: Path, data: Responses, heldout_idx: list[int]
     """Held-out TTT accuracy, acceptance on the GSM8K / CNN test prompts and a lossless check, all on the SAVED drafter."""
     from transformers import AutoModelForCausalLM
 
-    from specfit.datasets import prompts as benchmark_prompts
-    from specfit.drafter_io import load_drafter
-    from specfit.training.tokenizer import load_tokenizer
+    from ..evaluation.datasets import prompts as benchmark_prompts
+    from ..drafting.formats import load_drafter
+    from .tokenizer import load_tokenizer
 
     def fresh_target():
         return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -291,7 +291,7 @@ def measure(target_dir: Path, out: Path, data: Responses, heldout_idx: list[int]
 
 
 def model_card(report: dict) -> str:
-    from specfit.training.target import _openstax_books
+    from .target import _openstax_books
 
     dc, tc, d = report["drafter_config"], report["train"], report["data"]
     titles, authors = _openstax_books(report["openstax_books"])
@@ -378,7 +378,7 @@ def model_card(report: dict) -> str:
 
 
 def main(args) -> int:
-    from specfit.training import default_work_dir
+    from . import default_work_dir
 
     if args.data_dir:
         os.environ["SPECFIT_DATA_DIR"] = str(Path(args.data_dir).resolve())
@@ -386,8 +386,8 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from specfit.drafter_io import save_drafter
-    from specfit.training.tokenizer import load_tokenizer
+    from ..drafting.formats import save_drafter
+    from .tokenizer import load_tokenizer
 
     target_dir, out = Path(args.target), Path(args.out)
     work = Path(args.work_dir) if args.work_dir else default_work_dir("train-drafter")
@@ -445,7 +445,7 @@ def main(args) -> int:
 
 
 def _openstax_rows() -> list[dict]:
-    from specfit.datasets import openstax
+    from ..evaluation.datasets import openstax
 
     try:
         return openstax()

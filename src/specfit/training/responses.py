@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from specfit.datasets import CNN_PROMPT, GSM8K_PROMPT, gsm8k, openstax
-from specfit.training.tokenizer import EOS_ID, encode_batch
+from ..evaluation.datasets import CNN_PROMPT, GSM8K_PROMPT, gsm8k, openstax
+from .tokenizer import EOS_ID, encode_batch
 
 KINDS = ("gsm8k", "prose", "summary")
 CACHE_NAME = "responses.pt"

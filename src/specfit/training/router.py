@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from ..assistants import Eagle3Generator
-from ..route_predictor import RoutePredictor, recall
-from ..route_sources import oracle_routes
+from ..decoding.assistants import Eagle3Generator
+from ..selection.route_predictor import RoutePredictor, recall
+from ..selection.route_sources import oracle_routes
 
 
 class CollectingGenerator(Eagle3Generator):
@@ -81,8 +81,9 @@ def main(args) -> int:
 
     from transformers import AutoTokenizer
 
-    from .. import datasets, embedded
-    from ..loader import from_pretrained
+    from ..evaluation import datasets
+    from .. import embedded
+    from ..patch import from_pretrained
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

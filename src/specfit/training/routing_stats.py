@@ -256,8 +256,8 @@ def summary(stats: dict) -> str:
 
 def gsm8k_test_windows(tokenizer, num_windows: int = 64, seq_len: int = 256) -> torch.Tensor:
     """Consecutive windows of GSM8K *test* text in the training format (statistics only, never training)."""
-    from specfit.datasets import gsm8k
-    from specfit.training.corpus import encode_stream, fixed_windows, gsm8k_document
+    from ..evaluation.datasets import gsm8k
+    from .corpus import encode_stream, fixed_windows, gsm8k_document
 
     stream = encode_stream(tokenizer, [gsm8k_document(r) for r in gsm8k("test")])
     return torch.from_numpy(fixed_windows(stream, seq_len - 1, num_windows))

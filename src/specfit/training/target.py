@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specfit.datasets import GSM8K_PROMPT, data_dir, gsm8k
-from specfit.training import corpus, load_checkpoint
-from specfit.training.tokenizer import EOS_ID, load_tokenizer, train_tokenizer
+from ..evaluation.datasets import GSM8K_PROMPT, data_dir, gsm8k
+from . import corpus, load_checkpoint
+from .tokenizer import EOS_ID, load_tokenizer, train_tokenizer
 
 # Model presets. "embedded" is the shipped model (5.59 M params); "tiny" is for tests and smoke runs.
 PRESETS = {
@@ -235,7 +235,7 @@ def measure(out: Path, streams: dict, seq_len: int, final_eval_windows: int, sta
     """Validation CE, routing statistics and samples of the *saved* weights (bf16, loaded in fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from specfit.training.routing_stats import gsm8k_test_windows, routing_stats
+    from .routing_stats import gsm8k_test_windows, routing_stats
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokenizer = load_tokenizer(out)
@@ -273,7 +273,7 @@ def _openstax_books(slugs: list[str]) -> tuple[list[str], list[str]]:
 
 def model_card(report: dict) -> str:
     """The README.md of the saved model: what it is, its data and licenses, training, validation and routing."""
-    from specfit.training.routing_stats import format_tables, summary
+    from .routing_stats import format_tables, summary
 
     cfg, tr, val, corp = report["model_config"], report["train"], report["val"], report["corpus"]
     titles, authors = _openstax_books(corp["books"])
@@ -333,7 +333,7 @@ def model_card(report: dict) -> str:
 
 
 def main(args) -> int:
-    from specfit.training import default_work_dir
+    from . import default_work_dir
 
     if args.data_dir:
         os.environ["SPECFIT_DATA_DIR"] = str(Path(args.data_dir).resolve())
@@ -341,7 +341,7 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     from transformers import Qwen3MoeForCausalLM
 
-    from specfit.training.routing_stats import format_tables
+    from .routing_stats import format_tables
 
     out = Path(args.out)
     work = Path(args.work_dir) if args.work_dir else default_work_dir("train-target")

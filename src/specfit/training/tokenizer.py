@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from specfit.datasets import EOS_TEXT
+from ..evaluation.datasets import EOS_TEXT
 
 EOS_ID = 0
 VOCAB_SIZE = 4096

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from specfit.drafter import Eagle3Drafter, repeat_kv
+from ..drafting.drafter import Eagle3Drafter, repeat_kv
 
 
 def draft_vocab_from_counts(token_counts, draft_vocab_size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,10 +14,10 @@ from typing import Iterator
 
 import torch
 
-from .expert_store import ExpertStore
+from ..stats import Counters
 from .link import EmulatedLink
 from .lru import LRUSlots
-from .stats import Counters
+from .store import ExpertStore
 
 
 class CopyEngine:

@@ -13,10 +13,10 @@ import time
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import seam
+from .. import seam
+from ..drafting.tree import verify_layout
+from ..selection.route_sources import Cycle
 from .acceptance import walk
-from .route_sources import Cycle
-from .tree import verify_layout
 
 UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False}
 

@@ -7,23 +7,20 @@ row and the k rows of a token are summed in a fixed order at the end, as transfo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from . import seam
-
-if TYPE_CHECKING:
-    from .expert_cache import LayerCache
-    from .runtime import SpecFitRuntime
+from .. import seam
 
 ATTR = "_specfit"  # attribute on each patched experts module, pointing to its LayerRuntime
 
 
 class LayerRuntime:
-    def __init__(self, runtime: "SpecFitRuntime", index: int, cache: "LayerCache"):
-        self.runtime, self.index, self.cache = runtime, index, cache  # index: 0-based among MoE layers
+    def __init__(self, runtime, index: int, cache):
+        # runtime: the SpecFitRuntime (model.specfit); cache: this layer's LayerCache; index: 0-based among MoE layers
+        self.runtime, self.index, self.cache = runtime, index, cache
 
     def _untracked(self, needed: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
         arena = self.runtime.store.arenas[self.index]

@@ -18,8 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import seam
-from .tree import DraftTree, verify_layout
+from .. import seam
+from ..drafting.tree import DraftTree, verify_layout
 
 
 @dataclass

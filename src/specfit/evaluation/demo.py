@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from .evaluation import EMBEDDED_LINK_S, Row, format_table, load_instances, run_side_by_side
+from .harness import EMBEDDED_LINK_S, Row, format_table, load_instances, run_side_by_side
 
 # used only when neither the local data folder nor the hub can provide GSM8K / CNN prompts
 FALLBACK = {

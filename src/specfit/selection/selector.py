@@ -76,7 +76,7 @@ def select_subtree(parents, path_probs, routes, root_routes, cost, max_nodes: in
 
     Example: node 2 is free because its parent already asks for its expert, so it joins node 0.
 
-    >>> from specfit.cost_model import CostModel
+    >>> from specfit.selection.cost_model import CostModel
     >>> import numpy as np
     >>> experts = [{0, 1}, {2, 3}, {1}]          # one layer, four experts; the root routes to {0}
     >>> routes = np.array([[[e in s for e in range(4)]] for s in experts])

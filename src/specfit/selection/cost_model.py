@@ -6,7 +6,7 @@ does not scale with experts (attention, dense layers, launch overhead); ``beta``
 (mostly host-to-device copies of the experts the slot cache misses). Both are fitted once per device, model, slot
 count and cache mode by non-negative least squares on calibration probes, and frozen in a JSON *profile*.
 
-No torch here; the probes that produce the records are defined in ``specfit.calibrate``.
+No torch here; the probes that produce the records are defined in ``specfit.evaluation.calibrate``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
+from ..offload.config import CACHE_MODES
+
 __all__ = ["CostModel", "Record", "ProfileError", "profile_dir", "profile_path", "FORMAT", "VERSION"]
 
 FORMAT = "specfit-cost-model"
 VERSION = 1
 _RESERVED = ("format", "version", "units", "intercepts", "beta")
-CACHE_MODES = ("cached", "cleared")
 
 
 class ProfileError(ValueError):

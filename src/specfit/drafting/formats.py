@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specfit.drafter import Eagle3Config, Eagle3Drafter
+from .drafter import Eagle3Config, Eagle3Drafter
 
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"

@@ -4,31 +4,16 @@ and the decoding parts (drafter, cost model, route source)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
-from .expert_cache import CopyEngine, LayerCache
-from .expert_store import ExpertStore
+from ..stats import Counters, Stats
+from .cache import CopyEngine, LayerCache
+from .config import OffloadConfig
 from .experts import LayerRuntime
-from .link import EmulatedLink, LinkConfig
+from .link import EmulatedLink
 from .routes import RouteRecorder
-from .cost_model import CACHE_MODES
-from .stats import Counters, Stats
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    cache_slots: int  # expert slots per MoE layer on the compute device
-    cache_mode: str = "cached"  # "cleared": empty every slot before each forward (the paper's vanilla baseline)
-    link: LinkConfig | None = None  # emulated host link (CPU studies); None = real copies only
-    pin: bool | str = "auto"
-
-    def __post_init__(self):
-        if self.cache_mode not in CACHE_MODES:
-            raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
-        if self.link is not None and not isinstance(self.link, LinkConfig):
-            raise ValueError(f"link must be a LinkConfig or None, got {self.link!r}")
+from .store import ExpertStore
 
 
 class SpecFitRuntime:

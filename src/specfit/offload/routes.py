@@ -3,7 +3,7 @@
 ``RouteRecorder`` collects them during a forward (filled by the experts function, one layer at a time) as a bool
 tensor ``[tokens, layers, experts]``; ``pack`` turns such an array into packed bitmaps
 ``[tokens, layers, ceil(experts / 8)]`` (``numpy.packbits``, little bit order), the form the decoding loop keeps.
-Route *sources* for draft nodes (the oracle, predictors) live in ``route_sources.py``.
+Route *sources* for draft nodes (the oracle, predictors) live in ``selection/route_sources.py``.
 """
 
 from __future__ import annotations

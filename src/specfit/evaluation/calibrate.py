@@ -14,9 +14,9 @@ from importlib.resources import files
 
 import torch
 
-from .assistants import Eagle3Generator
-from .cost_model import CostModel, Record, profile_path
-from .decoding import device_name, model_id
+from ..decoding.assistants import Eagle3Generator
+from ..selection.cost_model import CostModel, Record, profile_path
+from ..selection.profiles import device_name, model_id
 
 PROBES = json.loads(files("specfit.calibration").joinpath("probes.json").read_text())
 
@@ -164,20 +164,20 @@ def plot_fit(cost: CostModel, records, path) -> None:
 
 
 def _load(args):
-    from .link import LinkConfig
+    from ..offload.link import LinkConfig
 
     link = LinkConfig(seconds_per_expert=args.link_ms / 1e3) if args.link_ms else None
     kw = dict(cache_mode=args.cache_mode, link=link)
     if args.model is None:
-        from . import embedded
+        from .. import embedded
 
         model, tokenizer = embedded.load(args.slots, **kw)
         if args.drafter:
-            from .decoding import set_drafter
+            from ..patch import set_drafter
 
             set_drafter(model, args.drafter)
         return model, tokenizer
-    from .loader import from_pretrained
+    from ..patch import from_pretrained
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = from_pretrained(args.model, cache_slots=args.slots, dtype=dtype, device=args.device,

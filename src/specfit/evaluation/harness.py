@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .stats import Counters
+from ..stats import Counters
 
 @dataclass(frozen=True)
 class Method:
@@ -81,8 +81,8 @@ def load_instances(methods, slots: int | None, link_s: float | None) -> tuple[di
     """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared)."""
     from transformers import AutoConfig
 
-    from . import embedded
-    from .link import LinkConfig
+    from .. import embedded
+    from ..offload.link import LinkConfig
 
     out = {}
     for name in methods:

@@ -8,7 +8,7 @@ paired with that position's pre-norm output as ``hidden`` (width H, ``fc`` skipp
 at position L, its child at L+1, and so on (siblings share a position; a tree mask keeps them apart).
 
 Target features are the outputs of three target decoder layers, concatenated low, mid, high (``aux_layer_ids``,
-0-based output-of-layer ids; see ``drafter_io`` for the other conventions in the wild).
+0-based output-of-layer ids; see ``formats`` for the other conventions in the wild).
 
 Vocabulary: ``lm_head`` scores a reduced draft vocabulary of Vd ids. ``d2t[d]`` is an OFFSET (target id = d + d2t[d])
 and ``t2d[v]`` marks the target ids that are in the draft vocabulary. The embedding is the target's (vocab V).
@@ -342,14 +342,3 @@ class Eagle3Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids (``d2t`` holds offsets; all zeros when the vocabularies coincide)."""
         return draft_ids + self.d2t[draft_ids]
-
-    def save_pretrained(self, out_dir) -> None:
-        from specfit.drafter_io import save_drafter
-
-        save_drafter(self, out_dir)
-
-    @classmethod
-    def from_pretrained(cls, path_or_dir, target=None, **kwargs) -> Eagle3Drafter:
-        from specfit.drafter_io import load_drafter
-
-        return load_drafter(path_or_dir, target=target, **kwargs)

@@ -20,10 +20,10 @@ from typing import Callable
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .drafting import TreeDrafter
-from .route_sources import Cycle, resolve_route_source
-from .selector import select_subtree, takes_from_level
-from .tree import DraftTree
+from ..drafting.levels import TreeDrafter
+from ..drafting.tree import DraftTree
+from ..selection.route_sources import Cycle, resolve_route_source
+from ..selection.selector import select_subtree, takes_from_level
 
 
 class TreeCandidateGenerator(CandidateGenerator):
@@ -83,7 +83,7 @@ class Eagle3Generator(TreeCandidateGenerator):
 class SpecFitGenerator(Eagle3Generator):
     def __init__(self, model):
         super().__init__(model)
-        from .decoding import resolve_cost_model
+        from ..selection.profiles import resolve_cost_model
 
         runtime = self.runtime = model.specfit
         opts = runtime.options
@@ -122,7 +122,7 @@ class SpecFitGenerator(Eagle3Generator):
 
 def cache_aware_model(cost):
     """The profile's second fit, on expert *misses* instead of demand (``specfit calibrate`` stores both)."""
-    from .cost_model import CostModel
+    from ..selection.cost_model import CostModel
 
     extra = cost.meta.get("cache_aware")
     if not extra:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .evaluation import (EMBEDDED_LINK_S, LABELS, METHODS, PAPER_METHODS, Row, format_table, load_instances,
-                         paper_table, run_side_by_side, token_compute_seconds)
+from .harness import (EMBEDDED_LINK_S, LABELS, METHODS, PAPER_METHODS, Row, format_table, load_instances,
+                      paper_table, run_side_by_side, token_compute_seconds)
 
 SLOTS = ("24", "12", "6", "none")
 REGIMES = {"no-link": None, "emulated": EMBEDDED_LINK_S}
@@ -49,8 +49,8 @@ def main(args) -> int:
 
     torch.set_num_threads(args.threads)
     if args.methods is None:
-        from . import embedded
-        from .route_predictor import CONFIG
+        from .. import embedded
+        from ..selection.route_predictor import CONFIG
 
         args.methods = list(PAPER_METHODS) + (["specfit-predictor"] if (embedded.DRAFTER_DIR / CONFIG).is_file()
                                               else [])
@@ -124,8 +124,8 @@ def _ensure_profile(model, tokenizer) -> None:
     """SpecFit needs a cost profile for this machine, slot count, cache mode and link; calibrate one if missing."""
     from . import datasets
     from .calibrate import PROBES, calibrate, describe
-    from .cost_model import profile_path
-    from .decoding import find_profile, profile_key
+    from ..selection.cost_model import profile_path
+    from ..selection.profiles import find_profile, profile_key
 
     if find_profile(model) is not None:
         return

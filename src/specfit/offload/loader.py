@@ -1,5 +1,6 @@
-"""``specfit.from_pretrained``: stream a hub-layout sharded safetensors checkpoint straight into the expert store
-(routed experts, host memory) and the compute device (everything else), without materialising the model twice.
+"""The streaming half of ``specfit.from_pretrained``: a hub-layout sharded safetensors checkpoint goes straight into
+the expert store (routed experts, host memory) and the compute device (everything else), without materialising the
+model twice.
 
 The model skeleton is built on the meta device; each shard is opened, its expert tensors are copied into the
 per-layer arenas and every other tensor goes to its module on the compute device; then the shard is closed, so at
@@ -19,9 +20,8 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from . import seam
-from .expert_store import ExpertStore
-from .patch import enable
+from .. import seam
+from .store import ExpertStore
 
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -51,17 +51,10 @@ def shard_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"{folder} has neither model.safetensors.index.json nor model.safetensors")
 
 
-def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None = None, device=None,
-                    revision: str | None = None, pin: bool | str = "auto", **enable_kwargs):
-    """Load a Qwen3-MoE checkpoint with its routed experts offloaded; returns the enabled model.
-
-    Args:
-        path_or_id: a local checkpoint folder or a hub repo id (e.g. ``"Qwen/Qwen3-30B-A3B"``).
-        cache_slots: expert slots per MoE layer on the device (see ``specfit.enable``).
-        dtype: weight dtype; defaults to the checkpoint's (``config.dtype``), else float32.
-        device: compute device; defaults to CUDA when available, else CPU.
-        **enable_kwargs: passed to ``specfit.enable`` (``drafter``, ``link``, ``cache_mode``, ...).
-    """
+def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None, revision: str | None = None,
+                   pin: bool | str = "auto") -> tuple[torch.nn.Module, ExpertStore, torch.device]:
+    """Stream a checkpoint: routed experts into a new ``ExpertStore``, everything else onto ``device``; returns
+    ``(model, store, device)``, the model without expert parameters, ready for ``enable(..., store=store)``."""
     folder = resolve_checkpoint(path_or_id, revision)
     config = AutoConfig.from_pretrained(folder)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
@@ -110,7 +103,7 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
     model.eval()
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
-    return enable(model, cache_slots=cache_slots, store=store, device=device, pin=pin, **enable_kwargs)
+    return model, store, device
 
 
 def _load_tensor(model, known: set, key: str, tensor: torch.Tensor, device, dtype, shard: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import seam
+from .. import seam
 
 FILE = "route_predictor.safetensors"
 CONFIG = "route_predictor.json"

@@ -1,0 +1,32 @@
+"""The decoding options: the draft pool, the verified-subtree budget, where routes come from, prefetch and cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..selection.route_sources import ROUTE_SOURCES
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """Draft pool and selection settings; defaults are the paper's."""
+
+    topk: int = 2  # children per expanded node, and nodes expanded per level
+    depth: int = 5  # deepest draft level
+    pool_nodes: int = 18  # draft pool node budget
+    max_nodes: int = 7  # draft nodes verified per cycle at most (EAGLE-3 verifies exactly this many)
+    route_source: str = "oracle"  # where SpecFit's selector gets draft-node routes (see selection/route_sources.py)
+    prefetch: bool = False  # copy the current winner's (predicted) experts while the next level is drafted
+    cost: str = "paper"  # "paper": beta per expert of demand; "cache-aware": resident experts cost nothing
+
+    def __post_init__(self):
+        if self.route_source not in ROUTE_SOURCES:
+            raise ValueError(f"unknown route_source {self.route_source!r}; registered: {sorted(ROUTE_SOURCES)}")
+        if self.cost not in ("paper", "cache-aware"):
+            raise ValueError(f"cost must be 'paper' or 'cache-aware', got {self.cost!r}")
+        for name in ("topk", "depth", "pool_nodes", "max_nodes"):
+            value, low = getattr(self, name), 0 if name == "max_nodes" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {self.prefetch!r}")

@@ -1,0 +1,2 @@
+"""Stage 2, drafting: the EAGLE-3 drafter module, its checkpoint formats, the target features it reads, draft trees
+as plain data, and level-by-level tree drafting. Depends on ``seam`` only."""

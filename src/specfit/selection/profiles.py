@@ -1,0 +1,108 @@
+"""Which cost profile a model uses: the one given to ``enable``, this machine's calibrated profile in the user cache,
+or a reference profile shipped in ``calibration/``; and the names (device, model) a profile is filed under."""
+
+from __future__ import annotations
+
+import json
+import platform
+import warnings
+from importlib.resources import as_file, files
+
+import torch
+
+from .cost_model import FORMAT, CostModel, ProfileError, profile_path
+
+
+def device_name(runtime) -> str:
+    """Names the machine a cost profile belongs to; an emulated link is part of the name (it sets beta)."""
+    if runtime.device.type == "cuda":
+        name = torch.cuda.get_device_name(runtime.device)
+    else:
+        name = f"cpu-{_cpu_model()}"
+    if runtime.config.link is not None:
+        name += f" ({runtime.config.link.label})"
+    return name
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def resolve_cost_model(model):
+    """The cost model for the selector: the one given to ``enable``, else a calibrated profile (see
+    ``find_profile``), else the documented default, with a loud warning."""
+    runtime = model.specfit
+    found = find_profile(model)
+    if found is not None:
+        runtime.cost_model = found
+        return found
+    key = profile_key(model)  # not stored: a profile calibrated later in this process is found next time
+    warnings.warn(
+        f"no calibrated cost profile for device {key['device_name']!r}, model {key['model_id']!r}, "
+        f"{key['slots']} slots, cache mode {key['cache_mode']!r} (looked for {profile_path(**key)}): SpecFit uses "
+        f"the default cost model (the paper's A100 beta), which can pick poor subtrees here. Run `specfit calibrate`.",
+        RuntimeWarning, stacklevel=3)
+    return CostModel.default(runtime.options.max_nodes)
+
+
+def profile_key(model) -> dict:
+    runtime = model.specfit
+    return dict(device_name=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,
+                cache_mode=runtime.config.cache_mode)
+
+
+def find_profile(model):
+    """The explicit profile given to ``enable`` (checked against this setup), else this machine's calibrated profile
+    in the user cache, else a reference profile shipped in ``calibration/`` for the same model, slots, cache mode and
+    link (measured on another machine: a warning says so); None when there is none."""
+    runtime = model.specfit
+    cm = runtime.cost_model
+    if isinstance(cm, CostModel):
+        return cm
+    if cm is not None:  # an explicit profile: the setup fields it records must match this model
+        loaded = CostModel.load(cm)
+        for field, want in (("slots", runtime.config.cache_slots), ("cache_mode", runtime.config.cache_mode)):
+            if field in loaded.meta and loaded.meta[field] != want:
+                raise ProfileError(f"{cm}: field {field!r} is {loaded.meta[field]!r}, expected {want!r}")
+        return loaded
+    key = profile_key(model)
+    path = profile_path(**key)
+    if path.is_file():
+        return CostModel.load(path, expect={"slots": key["slots"], "cache_mode": key["cache_mode"]})
+    reference = reference_profile(key, runtime.link_label)
+    if reference is not None and reference.meta.get("device") != key["device_name"]:
+        warnings.warn(f"using the reference cost profile measured on {reference.meta.get('device')!r} for this "
+                      f"{key['device_name']!r}; run `specfit calibrate` to fit this machine", RuntimeWarning,
+                      stacklevel=4)
+    return reference
+
+
+def model_id(model) -> str:
+    return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or
+               type(model).__name__)
+
+
+def reference_profile(key: dict, link_label: str):
+    """A profile shipped in ``calibration/`` (package ``specfit.calibration``) for the same model, slots, cache mode
+    and link, preferring one measured on this very device."""
+    matches = []
+    for entry in files("specfit.calibration").iterdir():
+        if not entry.name.endswith(".json"):
+            continue
+        data = json.loads(entry.read_text())
+        if data.get("format") != FORMAT:
+            continue
+        if (data.get("model_id"), data.get("slots"), data.get("cache_mode"), data.get("link")) == \
+                (key["model_id"], key["slots"], key["cache_mode"], link_label):
+            matches.append((data.get("device") != key["device_name"], entry.name, entry))
+    if not matches:
+        return None
+    with as_file(min(matches)[2]) as path:
+        return CostModel.load(path)
