@@ -60,7 +60,7 @@ def test_oracle_leaves_cache_and_counters_untouched():
     assert rt.stats.total == before
     assert [layer.cache.lru.resident for layer in rt.layers] == resident
     assert torch.equal(rt.routes.last, last_routes)
-    assert cache_kv.get_seq_length() == kv_len and cycle.untimed_seconds > 0
+    assert cache_kv.get_seq_length() == kv_len and cycle.measurement_seconds > 0
     # the oracle's routes are the true ones: a plain forward of the root->node path routes the same way
     for node, path in ((0, [9, 5]), (2, [9, 5, 7]), (1, [9, 6])):
         reference = tiny_moe()
@@ -88,6 +88,34 @@ def test_enable_finds_profile_or_warns(tmp_path, monkeypatch):
     specfit.disable(model)
     wrong = tmp_path / "wrong.json"
     CostModel((0.01,) * 8, 1e-4, {"slots": 8, "cache_mode": "cached"}).save(wrong)
-    specfit.enable(model, cache_slots=4, cost_model=str(wrong), drafter=SelfDrafter(model, first_token=1))
-    with pytest.raises(ProfileError, match=r"wrong\.json: field 'slots' is 8, expected 4"):
-        resolve_cost_model(model)
+    with pytest.raises(ProfileError, match=r"wrong\.json: field 'slots' is 8, expected 4"):  # at enable, not later
+        specfit.enable(model, cache_slots=4, cost_model=str(wrong), drafter=SelfDrafter(model, first_token=1))
+    assert getattr(model, "specfit", None) is None  # a failed enable leaves the model as it was
+
+
+def test_cost_profiles_fail_at_enable_and_configure_replaces_them(tmp_path):
+    model = tiny_moe()
+    drafter = SelfDrafter(model, first_token=1)
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text('{"format": "specfit-cost-model", "version": 1, "uni')
+    with pytest.raises(ProfileError, match=r"corrupt\.json: not valid JSON"):
+        specfit.enable(model, cache_slots=4, cost_model=corrupt, drafter=drafter)
+    negative = tmp_path / "negative.json"
+    CostModel((0.01,) * 8, 1e-4).save(negative)
+    negative.write_text(negative.read_text().replace('"beta": 0.0001', '"beta": -0.0001'))
+    with pytest.raises(ProfileError, match=r"negative\.json: .*'beta' must be a non-negative number, got -0\.0001"):
+        specfit.enable(model, cache_slots=4, cost_model=negative, drafter=drafter)
+    short = CostModel((0.01,) * 4, 1e-4)  # predicts up to 3 nodes, max_nodes is 7
+    with pytest.raises(ProfileError, match="predicts up to 3 nodes but max_nodes is 7"):
+        specfit.enable(model, cache_slots=4, cost_model=short, drafter=drafter)
+
+    first, second = CostModel((0.01,) * 8, 1e-4), CostModel((0.02,) * 8, 2e-4, {"slots": 4})
+    specfit.enable(model, cache_slots=4, cost_model=first, drafter=drafter)
+    assert resolve_cost_model(model) == first
+    specfit.configure(model, cost_model=second)
+    assert resolve_cost_model(model) == second
+    with pytest.raises(ProfileError, match="field 'slots' is 8, expected 4"):
+        specfit.configure(model, cost_model=CostModel((0.01,) * 8, 1e-4, {"slots": 8}), max_nodes=3)
+    assert resolve_cost_model(model) == second and model.specfit.options.max_nodes == 7  # nothing changed
+    with pytest.raises(ProfileError, match="predicts up to 3 nodes but max_nodes is 7"):
+        specfit.configure(model, cost_model=short)

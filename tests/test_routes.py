@@ -98,7 +98,8 @@ def test_prefetch_with_true_routes_leaves_no_miss():
     expected = tiny_moe().generate(PROMPT, max_new_tokens=24, do_sample=False)
     model = tiny_moe()
     specfit.enable(model, cache_slots=16, drafter=SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3,
-                                                              sharpen=8.0), cost_model=COST, prefetch=True)
+                                                              sharpen=8.0), cost_model=COST, prefetch=True,
+                       route_source="oracle")
     assert torch.equal(model.generate(PROMPT, max_new_tokens=24, do_sample=False, assistant="specfit"), expected)
     g = model.specfit.stats.last_generate
     assert g.misses == 0 and g.prefetch_copies > 0

@@ -25,7 +25,9 @@ from .offload.link import LinkConfig
 from .offload.loader import load_offloaded
 from .offload.runtime import SpecFitRuntime
 from .offload.store import ExpertStore
+from .selection.profiles import checked_cost_model
 from .selection.route_predictor import CONFIG, RoutePredictor
+from .selection.route_sources import choose_route_source
 
 
 def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str = "cached",
@@ -138,20 +140,25 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
 # --- decoding parts -------------------------------------------------------------------------------------------
 def attach_decoding(model, drafter=None, cost_model=None, route_predictor=None, **options) -> None:
     runtime = model.specfit
-    runtime.options = _checked(runtime, DecodingOptions(**options))
-    runtime.cost_model = cost_model
+    runtime.options = DecodingOptions(**options)
     if drafter is not None:
         set_drafter(model, drafter)
     if route_predictor is not None:
         runtime.route_predictor = route_predictor if isinstance(route_predictor, torch.nn.Module) else \
             RoutePredictor.load(route_predictor, model)
+    runtime.cost_model = checked_cost_model(model, cost_model) if cost_model is not None else None
+    _check_options(model, runtime.options)
 
 
-def _checked(runtime, options: DecodingOptions) -> DecodingOptions:
-    """Options that depend on how the model was enabled."""
+def _check_options(model, options: DecodingOptions) -> None:
+    """Options that depend on how the model was enabled and what is attached; checked at enable and configure."""
+    runtime = model.specfit
     if options.prefetch and runtime.config.cache_mode == "cleared":
         raise ValueError("prefetch=True needs cache_mode='cached': a cleared cache drops prefetched experts")
-    return options
+    if runtime.drafter is not None:
+        choose_route_source(model, options.route_source)  # "auto" with nothing deployable fails here, not later
+    if runtime.cost_model is not None:
+        checked_cost_model(model, runtime.cost_model)
 
 
 def set_drafter(model, drafter) -> None:
@@ -180,8 +187,18 @@ def detach_decoding(model) -> None:
     runtime.aux_capture = runtime.drafter = None
 
 
-def configure(model, **options) -> DecodingOptions:
-    """Change decoding options on an enabled model, e.g. ``configure(model, max_nodes=5)``."""
+def configure(model, cost_model=None, **options) -> DecodingOptions:
+    """Change decoding options on an enabled model, e.g. ``configure(model, max_nodes=5)``; ``cost_model=`` (a
+    ``CostModel`` or a profile path) replaces the cost model. Everything is checked before anything changes."""
     runtime = model.specfit
-    runtime.options = _checked(runtime, replace(runtime.options, **options))
+    new_options = replace(runtime.options, **options)
+    previous = runtime.options, runtime.cost_model
+    runtime.options = new_options
+    try:
+        if cost_model is not None:
+            runtime.cost_model = checked_cost_model(model, cost_model)
+        _check_options(model, new_options)
+    except BaseException:
+        runtime.options, runtime.cost_model = previous
+        raise
     return runtime.options

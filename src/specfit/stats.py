@@ -3,6 +3,11 @@
 ``Counters`` holds raw, additive counts; rates are derived properties, computed when read. ``Stats`` keeps
 ``total`` (since the last ``reset()``), ``last_forward``, and for the last ``generate()`` call ``last_prefill``
 (the prompt's forward) and ``last_generate`` (everything after it: the decode phase the tables report).
+
+Times are wall clock: ``prefill_seconds`` runs from the entry of ``generate()`` to the end of the prompt's forward,
+``decode_seconds`` from there to the end of decoding, so together they are what a stopwatch around the call reads.
+Measurement-only work done inside the call (the route oracle's extra forwards) is *included* in them and also shown
+on its own, as ``measurement_seconds``.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ class Counters:
     nodes_verified: int = 0  # draft nodes in the verified subtree (the root not counted)
     tokens_committed: int = 0  # accepted draft tokens + the bonus token
     new_tokens: int = 0  # tokens returned by generate (AR too)
-    decode_seconds: float = 0.0  # timed wall clock of the decode loop (prefill excluded)
-    untimed_seconds: float = 0.0  # measurement-only work excluded from decode_seconds (the route oracle)
+    prefill_seconds: float = 0.0  # wall clock from generate()'s entry to the end of the prompt's forward
+    decode_seconds: float = 0.0  # wall clock of everything generate() did after the prefill (oracle included)
+    measurement_seconds: float = 0.0  # the part of decode_seconds spent on measurement only (the route oracle)
 
     def __iadd__(self, other: "Counters") -> "Counters":
         for f in fields(self):
@@ -74,12 +80,26 @@ class Counters:
 
     @property
     def tokens_per_second(self) -> float:
+        """Decode tok/s, wall clock (prefill excluded, measurement work included: what the call took)."""
         return self.new_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def end_to_end_tokens_per_second(self) -> float:
+        """tok/s over the whole call, prefill included."""
+        seconds = self.prefill_seconds + self.decode_seconds
+        return self.new_tokens / seconds if seconds else 0.0
+
+    @property
+    def tokens_per_second_excluding_measurement(self) -> float:
+        """The paper's figure: decode tok/s with the route oracle's measurement time taken out. Not what a user
+        waits for when the oracle runs; equal to ``tokens_per_second`` when it does not."""
+        seconds = self.decode_seconds - self.measurement_seconds
+        return self.new_tokens / seconds if seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
         out = asdict(self)
         for name in ("copies", "hit_rate", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle", "seconds_per_cycle",
-                     "tokens_per_second"):
+                     "tokens_per_second", "end_to_end_tokens_per_second", "tokens_per_second_excluding_measurement"):
             out[name] = getattr(self, name)
         return out
 
@@ -92,13 +112,19 @@ class Stats:
     last_generate: Counters = field(default_factory=Counters)
     scope: "GenerateScope | None" = field(default=None, repr=False)
     trace: list | None = field(default=None, repr=False)  # set to [] to record one CycleRecord per decoding cycle
+    call_started: float | None = field(default=None, repr=False)  # perf_counter() at generate()'s entry
 
     def reset(self) -> None:
         self.total, self.last_forward = Counters(), Counters()
         self.last_prefill, self.last_generate = Counters(), Counters()
 
+    def generate_called(self) -> None:
+        """Start the clock of a ``generate()`` call (its preparation counts as prefill time)."""
+        self.call_started = time.perf_counter()
+
     def begin_generate(self) -> "GenerateScope":
-        self.scope = GenerateScope(self)
+        self.scope = GenerateScope(self, self.call_started)
+        self.call_started = None
         return self.scope
 
     def forward_done(self, counters: Counters) -> None:
@@ -125,44 +151,46 @@ class CycleRecord:
     committed: int
     misses: int
     draft_seconds: float  # the part of `seconds` spent drafting and selecting (phases 1-2)
+    measurement_seconds: float = 0.0  # the part of `seconds` spent on measurement only (the route oracle)
 
 
 class GenerateScope:
-    """Accounts one ``generate()`` call: prefill counters, then the decode phase (cycles, tokens, timed seconds)."""
+    """Accounts one ``generate()`` call: prefill counters and wall clock, then the decode phase (cycles, tokens, wall
+    clock until ``end``)."""
 
-    def __init__(self, stats: Stats):
+    def __init__(self, stats: Stats, started: float | None = None):
         self.stats = stats
         self.start = stats.total.copy()
         self.after_prefill: Counters | None = None
-        self.t_prefill = time.perf_counter()
+        self.t_start = started if started is not None else time.perf_counter()
+        self.t_prefill = self.t_start
 
     def prefill_done(self) -> None:
         if self.after_prefill is None:
-            self.after_prefill = self.stats.total.copy()
             self.t_prefill = time.perf_counter()
+            self.stats.total.prefill_seconds += self.t_prefill - self.t_start
+            self.after_prefill = self.stats.total.copy()
 
-    def timed(self, seconds: float) -> None:
-        """Decode-phase work outside the cycles (the first token, the drafter's pass over the prompt)."""
-        self.stats.total.decode_seconds += seconds
-
-    def cycle(self, pool: int, verified: int, committed: int, seconds: float, untimed: float, demand: int,
+    def cycle(self, pool: int, verified: int, committed: int, seconds: float, measurement: float, demand: int,
               misses: int, draft_seconds: float) -> None:
+        """One decoding cycle; ``seconds`` is its wall clock, ``measurement`` the part of it spent measuring."""
         if self.stats.trace is not None:
-            self.stats.trace.append(CycleRecord(verified, demand, seconds, pool, committed, misses, draft_seconds))
+            self.stats.trace.append(CycleRecord(verified, demand, seconds, pool, committed, misses, draft_seconds,
+                                                measurement))
         t = self.stats.total
         t.cycles += 1
         t.nodes_drafted += pool
         t.nodes_verified += verified
         t.tokens_committed += committed
-        t.decode_seconds += seconds
-        t.untimed_seconds += untimed
+        t.measurement_seconds += measurement
 
     def end(self, new_tokens: int, autoregressive: bool = False) -> None:
-        """``autoregressive``: plain decoding, one token per forward, timed from the end of the prefill."""
+        """Close the call: decode time is the wall clock since the prefill ended. ``autoregressive``: plain
+        decoding, one token per forward."""
         t = self.stats.total
         self.prefill_done()
+        t.decode_seconds += time.perf_counter() - self.t_prefill
         if autoregressive:
-            t.decode_seconds += time.perf_counter() - self.t_prefill
             steps = t.forwards - self.after_prefill.forwards
             t.cycles += steps
             t.tokens_committed += steps
@@ -170,4 +198,6 @@ class GenerateScope:
         self.stats.last_prefill = self.after_prefill - self.start
         self.stats.last_generate = t - self.after_prefill
         self.stats.last_generate.new_tokens = new_tokens
+        # the call's own prefill time rides along, so last_generate alone gives end-to-end tok/s
+        self.stats.last_generate.prefill_seconds = self.stats.last_prefill.prefill_seconds
         self.stats.scope = None

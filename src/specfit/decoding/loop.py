@@ -68,13 +68,11 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
     out = model(input_ids, cache=cache, position_ids=model_kwargs.get("position_ids"), use_cache=True,
                 logits_to_keep=1)
     features = runtime.aux_capture.features()  # [1, P, 3H]
-    scope.prefill_done()
-    t0 = time.perf_counter()  # the first token and the drafter's pass over the prompt are decode work
+    scope.prefill_done()  # from here on, everything is decode time: the first token, the drafter's prompt pass
     first = walk(lambda t: [], [], lambda t, acc: run.scores(out.logits[0, -1], acc), do_sample)
     run.commit(first)
     if not run.done:
         gen.start(features, torch.cat([input_ids[:, 1:], run.ids[:, -1:]], dim=1))
-    scope.timed(time.perf_counter() - t0)
 
     while not run.done:
         t0 = time.perf_counter()
@@ -96,8 +94,8 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         if not run.done:
             gen.observe(runtime.aux_capture.features()[:, kept], torch.tensor([acc.tokens], device=runtime.device))
         scope.cycle(pool=len(tree), verified=len(nodes), committed=committed, demand=verify.demand,
-                    misses=verify.misses, seconds=time.perf_counter() - t0 - cycle.untimed_seconds,
-                    untimed=cycle.untimed_seconds, draft_seconds=t_drafted - t0 - cycle.untimed_seconds)
+                    misses=verify.misses, seconds=time.perf_counter() - t0, measurement=cycle.measurement_seconds,
+                    draft_seconds=t_drafted - t0)
 
     seam.crop_kv(cache, run.ids.shape[1] - 1)  # tokens cut by the stopping criteria leave no KV behind
     scope.end(new_tokens=run.ids.shape[1] - input_ids.shape[1])

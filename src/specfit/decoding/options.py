@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..selection.route_sources import ROUTE_SOURCES
+from ..selection.route_sources import AUTO, ROUTE_SOURCES
 
 
 @dataclass(frozen=True)
@@ -15,13 +15,14 @@ class DecodingOptions:
     depth: int = 5  # deepest draft level
     pool_nodes: int = 18  # draft pool node budget
     max_nodes: int = 7  # draft nodes verified per cycle at most (EAGLE-3 verifies exactly this many)
-    route_source: str = "oracle"  # where SpecFit's selector gets draft-node routes (see selection/route_sources.py)
+    route_source: str = AUTO  # where SpecFit's selector gets draft-node routes (see selection/route_sources.py)
     prefetch: bool = False  # copy the current winner's (predicted) experts while the next level is drafted
     cost: str = "paper"  # "paper": beta per expert of demand; "cache-aware": resident experts cost nothing
 
     def __post_init__(self):
-        if self.route_source not in ROUTE_SOURCES:
-            raise ValueError(f"unknown route_source {self.route_source!r}; registered: {sorted(ROUTE_SOURCES)}")
+        if self.route_source != AUTO and self.route_source not in ROUTE_SOURCES:
+            raise ValueError(f"unknown route_source {self.route_source!r}; choose {AUTO!r} (the default: a trained "
+                             f"predictor, else the target's gates) or one of {sorted(ROUTE_SOURCES)}")
         if self.cost not in ("paper", "cache-aware"):
             raise ValueError(f"cost must be 'paper' or 'cache-aware', got {self.cost!r}")
         for name in ("topk", "depth", "pool_nodes", "max_nodes"):

@@ -18,6 +18,7 @@ class SpecFitGenerationMixin:
     loop with the named assistant; without ``assistant`` it is transformers' own ``generate()``."""
 
     def generate(self, *args, assistant: str | None = None, **kwargs):
+        self.specfit.stats.generate_called()  # the stopwatch of the call starts here, before any preparation
         if assistant is None:
             return super().generate(*args, **kwargs)
         spec = resolve_assistant(assistant)

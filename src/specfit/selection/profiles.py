@@ -52,6 +52,24 @@ def resolve_cost_model(model):
     return CostModel.default(runtime.options.max_nodes)
 
 
+def checked_cost_model(model, cost) -> CostModel:
+    """An explicit cost model (a ``CostModel`` or a profile path) checked against this model's setup: the profile
+    must read cleanly, record this slot count and cache mode (when it records them) and predict up to ``max_nodes``.
+    Called by ``enable``/``configure``, so a bad profile fails there, not at the first ``generate``."""
+    runtime = model.specfit
+    loaded = cost if isinstance(cost, CostModel) else CostModel.load(cost)
+    where = cost if not isinstance(cost, CostModel) else "the CostModel given"
+    for field, want in (("slots", runtime.config.cache_slots), ("cache_mode", runtime.config.cache_mode)):
+        if field in loaded.meta and loaded.meta[field] != want:
+            raise ProfileError(f"{where}: field {field!r} is {loaded.meta[field]!r}, expected {want!r} (this model "
+                               f"was enabled with {field}={want!r}); use a profile calibrated for it")
+    max_nodes = runtime.options.max_nodes if runtime.options is not None else 0
+    if loaded.max_nodes < max_nodes:
+        raise ProfileError(f"{where}: predicts up to {loaded.max_nodes} nodes but max_nodes is {max_nodes}; "
+                           f"recalibrate or lower max_nodes")
+    return loaded
+
+
 def profile_key(model) -> dict:
     runtime = model.specfit
     return dict(device_name=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,
@@ -63,15 +81,8 @@ def find_profile(model):
     in the user cache, else a reference profile shipped in ``calibration/`` for the same model, slots, cache mode and
     link (measured on another machine: a warning says so); None when there is none."""
     runtime = model.specfit
-    cm = runtime.cost_model
-    if isinstance(cm, CostModel):
-        return cm
-    if cm is not None:  # an explicit profile: the setup fields it records must match this model
-        loaded = CostModel.load(cm)
-        for field, want in (("slots", runtime.config.cache_slots), ("cache_mode", runtime.config.cache_mode)):
-            if field in loaded.meta and loaded.meta[field] != want:
-                raise ProfileError(f"{cm}: field {field!r} is {loaded.meta[field]!r}, expected {want!r}")
-        return loaded
+    if runtime.cost_model is not None:
+        return checked_cost_model(model, runtime.cost_model)
     key = profile_key(model)
     path = profile_path(**key)
     if path.is_file():

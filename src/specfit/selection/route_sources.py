@@ -1,9 +1,13 @@
 """Where the selector gets the routes of draft nodes (bool ``[nodes, layers, experts]``) and of the root.
 
-- ``"oracle"``: the paper's atlas method, a *measurement device*. The true routes of every pool node come from a
-  target forward over root + pool that runs outside the offload (no slot touched, no counter moved, no emulated
-  link) and outside the timed path; the KV entries it writes are dropped again. Not deployable: it costs a forward.
-- Predictors (``"gate"``, ``"predictor"``) estimate routes from the drafter's state without touching the target.
+- Deployable sources estimate routes from the drafter's state without touching the target: ``"predictor"`` (a
+  trained route head, ``specfit train-router``) and ``"gate"`` (the target's own routers on drafter states, when the
+  drafter's hidden size equals the target's). ``"auto"``, the default, picks the predictor when one is attached,
+  else the gates, else refuses with the choices.
+- ``"oracle"``: the paper's atlas method, a *measurement device*, used only when asked for. The true routes of every
+  pool node come from an extra target forward over root + pool that runs outside the offload (no slot touched, no
+  counter moved, no emulated link); the KV entries it writes are dropped again. It costs a forward per drafted level:
+  that time is part of the call's wall clock and is shown apart as ``measurement_seconds``.
 
 A route source is any callable ``source(cycle, tree) -> (node_routes [N, L, E], root_routes [L, E])``; ``ROUTE_SOURCES``
 maps names to factories ``factory(model) -> source``.
@@ -30,7 +34,7 @@ class Cycle:
     cache: object
     base: int  # committed positions in the target KV cache; the root goes to position `base`
     root: int  # the root token
-    untimed_seconds: float = 0.0  # measurement-only work, excluded from the timed path
+    measurement_seconds: float = 0.0  # measurement-only work in this cycle (the oracle): shown apart, still timed
     drafter: object = None  # the TreeDrafter of this cycle (route predictors read node states from it)
 
 
@@ -45,7 +49,7 @@ def oracle_routes(cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray
               use_cache=True, logits_to_keep=1)
     seam.crop_kv(cache, cycle.base)
     routes = recorder.last.numpy()  # [n, L, E]
-    cycle.untimed_seconds += time.perf_counter() - t0
+    cycle.measurement_seconds += time.perf_counter() - t0
     return routes[1:], routes[0]
 
 
@@ -97,7 +101,30 @@ def register_route_source(name: str, factory: Callable) -> None:
     ROUTE_SOURCES[name] = factory
 
 
+AUTO = "auto"
+
+
+def choose_route_source(model, name: str) -> str:
+    """The route source ``name`` stands for on this model: ``"auto"`` becomes ``"predictor"`` when a trained route
+    predictor is attached, else ``"gate"`` when the drafter's hidden size equals the target's; other names as given."""
+    if name != AUTO:
+        if name not in ROUTE_SOURCES:
+            raise ValueError(f"unknown route source {name!r}; choose 'auto' or one of {sorted(ROUTE_SOURCES)}")
+        return name
+    runtime = model.specfit
+    if runtime.route_predictor is not None:
+        return "predictor"
+    drafter = runtime.drafter
+    hidden = model.get_input_embeddings().weight.shape[1]
+    if drafter is not None and drafter.config.hidden_size == hidden:
+        return "gate"
+    width = drafter.config.hidden_size if drafter is not None else None
+    raise ValueError(f"route_source='auto' found no deployable route source: no route predictor is attached and the "
+                     f"drafter's hidden size ({width}) differs from the target's ({hidden}), so the target's gates "
+                     f"cannot read its states. Train a predictor (`specfit train-router`, saved beside the drafter, "
+                     f"or pass route_predictor=FOLDER), or choose route_source='oracle' (a measurement device: an "
+                     f"extra target forward per drafted level)")
+
+
 def resolve_route_source(model, name: str) -> Callable:
-    if name not in ROUTE_SOURCES:
-        raise ValueError(f"unknown route source {name!r}; registered: {sorted(ROUTE_SOURCES)}")
-    return ROUTE_SOURCES[name](model)
+    return ROUTE_SOURCES[choose_route_source(model, name)](model)
