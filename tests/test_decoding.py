@@ -174,3 +174,29 @@ def test_errors():
         bare.generate(prompt, assistant="eagle3", max_new_tokens=3)
     with pytest.raises(ValueError, match="max_nodes"):
         configure(model, max_nodes=-1)
+
+
+def test_backoff_schedule():
+    from specfit.decoding.assistants import Backoff
+
+    b, pattern = Backoff(most=4), []
+    for paid in (False, False, False, False, True, False):
+        b.record(paid)
+        skipped = 0
+        while b.skip():
+            skipped += 1
+        pattern.append(skipped)
+    assert pattern == [1, 2, 4, 4, 0, 1]  # doubles after each failed probe, capped, reset by a paying cycle
+
+
+def test_specfit_skips_drafting_that_does_not_pay_and_stays_lossless():
+    """A drafter that drafts noise, under a cost model where only a near-sure draft node pays: the winner is mostly
+    the root alone, so SpecFit stops drafting for a while (cycles with an empty pool) and its output is still exact."""
+    prompt = PROMPTS[1]
+    expected = tiny_moe().generate(prompt, max_new_tokens=30, do_sample=False)
+    model = enabled(prompt, noise=1.0)
+    configure(model, cost_model=CostModel(intercepts=(1.0,) + (1.9,) * 7, beta=0.01))
+    model.specfit.stats.trace = []
+    assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False, assistant="specfit"), expected)
+    pools = [c.pool for c in model.specfit.stats.trace]
+    assert pools.count(0) > len(pools) / 2 and any(p > 0 for p in pools)  # mostly skipped, probed now and then

@@ -97,9 +97,35 @@ class SpecFitGenerator(Eagle3Generator):
         self.cache_aware = opts.cost == "cache-aware"
         self.prefetch = opts.prefetch
         self.winner = None
+        self.backoff = Backoff()
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed pairs the drafter has not read yet
+
+    def start(self, features, next_tokens):
+        self._pending.clear()
+        self.backoff = Backoff()
+        super().start(features, next_tokens)
+
+    def observe(self, features, next_tokens):
+        """While drafting is skipped, committed pairs wait here and reach the drafter in one forward later."""
+        self._pending.append((features, next_tokens))
+        if not self.backoff.skipping:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        if self._pending:
+            features = torch.cat([f for f, _ in self._pending], dim=1)  # [1, m, 3H]
+            tokens = torch.cat([t for _, t in self._pending], dim=1)  # [1, m]
+            self._pending.clear()
+            self.drafter.extend(features, tokens)
 
     def draft(self, cycle):
-        """Draft level by level; stop when the best subtree takes nothing from the newest level."""
+        """Draft level by level; stop when the best subtree takes nothing from the newest level. When drafting has
+        not paid for itself lately (the winner verified the root alone), skip it for a while: such a cycle is one
+        target forward on the root, as in plain decoding."""
+        self.winner = None
+        if self.backoff.skip():
+            return DraftTree()
+        self._catch_up()
         cycle.drafter = self.drafter
         tree = DraftTree()
         for tree in self.drafter.levels():
@@ -114,10 +140,38 @@ class SpecFitGenerator(Eagle3Generator):
                 self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
             if not takes_from_level(self.winner, tree.depths, tree.depth):
                 break
+        self.backoff.record(paid=bool(self.winner.nodes))
         return tree
 
     def select(self, tree, cycle):
-        return self.winner.nodes
+        return self.winner.nodes if self.winner is not None else ()
+
+
+class Backoff:
+    """When to skip drafting: after ``k`` drafted cycles in a row whose winner was the root alone (drafting cost a
+    drafter forward per level and bought nothing), the next ``2**(k-1)`` cycles skip drafting (at most ``most``);
+    then drafting is probed again. One cycle that verifies draft nodes resets it."""
+
+    def __init__(self, most: int = 16):
+        self.most, self.failures, self.left = most, 0, 0
+
+    @property
+    def skipping(self) -> bool:
+        return self.left > 0
+
+    def skip(self) -> bool:
+        """Called once per cycle: True when this cycle skips drafting."""
+        if self.left > 0:
+            self.left -= 1
+            return True
+        return False
+
+    def record(self, paid: bool) -> None:
+        if paid:
+            self.failures = 0
+        else:
+            self.failures += 1
+            self.left = min(2 ** (self.failures - 1), self.most)
 
 
 def cache_aware_model(cost):

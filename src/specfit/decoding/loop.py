@@ -85,14 +85,19 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=layout.mask,
                     use_cache=True, logits_to_keep=0)  # 3. verify
         verify = runtime.stats.last_forward
-        tokens = layout.tokens[0].tolist()
+        tokens = [cycle.root] + [tree.tokens[v] for v in layout.nodes]  # the host has them: no device round trip
         acc = walk(layout.children, tokens, lambda t, accepted: run.scores(out.logits[0, t], accepted),
                    do_sample)  # 4. accept
-        kept = torch.tensor([0] + acc.path, device=runtime.device)
-        seam.keep_kv(cache, cycle.base, kept)  # 5. compact
+        kept = [0] + acc.path  # tree indices, ascending
+        if kept == list(range(len(kept))):  # 5. compact: the path is a prefix of the layout, so cropping suffices
+            seam.crop_kv(cache, cycle.base + len(kept))
+        else:
+            seam.keep_kv(cache, cycle.base, torch.tensor(kept, device=runtime.device))
         committed = run.commit(acc)  # 6. observe
         if not run.done:
-            gen.observe(runtime.aux_capture.features()[:, kept], torch.tensor([acc.tokens], device=runtime.device))
+            features = runtime.aux_capture.features()  # [1, n+1, 3H]
+            gen.observe(features if len(kept) == features.shape[1] else features[:, kept],
+                        torch.tensor([acc.tokens], device=runtime.device))
         scope.cycle(pool=len(tree), verified=len(nodes), committed=committed, demand=verify.demand,
                     misses=verify.misses, seconds=time.perf_counter() - t0, measurement=cycle.measurement_seconds,
                     draft_seconds=t_drafted - t0)

@@ -85,13 +85,16 @@ class TreeDrafter:
         base, n = len(self.cache), len(todo)
         for i, v in enumerate(todo):
             self._slot[v] = base + i
-        allowed = torch.zeros(n, base + n, dtype=torch.bool, device=device)
-        allowed[:, : self.stable] = True
-        for i, v in enumerate(todo):  # ancestors are all processed: a node is drafted by processing its parent
+        rows = []
+        for v in todo:  # ancestors are all processed: a node is drafted by processing its parent
+            row = [False] * (base + n - self.stable)
             for a in ancestors_or_self(tree.parents, v):
-                allowed[i, self._slot[a]] = True
+                row[self._slot[a] - self.stable] = True
+            rows.append(row)
         dtype = self.drafter.fc.weight.dtype
-        mask = torch.zeros(n, base + n, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = torch.full((n, base + n), torch.finfo(dtype).min, dtype=dtype, device=device)  # [n, base + n]
+        mask[:, : self.stable] = 0
+        mask[:, self.stable:].masked_fill_(torch.tensor(rows, device=device), 0)
         ids = torch.tensor([[tree.tokens[v] for v in todo]], device=device)  # [1, n]
         hidden = torch.stack([self._drafted_by[v] for v in todo])[None]  # [1, n, H]
         positions = torch.tensor([[self.stable + tree.depths[v] - 1 for v in todo]], device=device)  # [1, n]

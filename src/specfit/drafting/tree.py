@@ -78,12 +78,24 @@ def verify_layout(tree: DraftTree, nodes, root_token: int, base: int, kv_len: in
     parents = (-1,) + tuple(0 if tree.parents[v] < 0 else tree_index[tree.parents[v]] for v in nodes)
     depths = [0] + [tree.depths[v] for v in nodes]
     n = len(parents)
-    allowed = torch.zeros(n, kv_len, dtype=torch.bool)
-    allowed[:, :base] = True
-    for t in range(n):
-        for a in ancestors_or_self(parents, t):
-            allowed[t, base + a] = True
-    mask = torch.zeros(n, kv_len, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask = tree_mask(parents, base, kv_len, dtype)
     tokens = torch.tensor([[root_token] + [tree.tokens[v] for v in nodes]], device=device)
     positions = torch.tensor([[base + d for d in depths]], device=device)
     return VerifyLayout(nodes, parents, tokens, positions, mask[None, None].to(device))
+
+
+def tree_mask(parents, base: int, kv_len: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """[n, kv_len] additive mask of ``n`` tree positions written at ``base``..: each attends to the ``base``
+    committed positions and to its ancestors-or-self (``parents``: index of each one's parent, -1 for a root).
+    The ancestor matrix is built in Python (n is small) and lands in one tensor: a few torch calls, whatever n."""
+    n = len(parents)
+    rows = []
+    for t in range(n):
+        row = [False] * n
+        for a in ancestors_or_self(parents, t):
+            row[a] = True
+        rows.append(row)
+    mask = torch.full((n, kv_len), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[:, :base] = 0
+    mask[:, base:base + n].masked_fill_(torch.tensor(rows, device=device), 0)
+    return mask

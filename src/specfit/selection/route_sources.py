@@ -59,12 +59,19 @@ class PredictedRoutes:
 
     def __init__(self, head):
         self.head = head
+        self._tree = None  # the pool being drafted this cycle, and the routes predicted for it so far
+        self._routes: np.ndarray | None = None  # [1 + nodes done, L, E], the root first
 
     def __call__(self, cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
         drafter = cycle.drafter
-        states = torch.cat([drafter.root_state[None], drafter.states(list(range(len(tree))))])  # [N+1, H]
-        routes = self.head.routes(states).cpu().numpy()  # [N+1, L, E]
-        return routes[1:], routes[0]
+        if tree is not self._tree:  # a new cycle: start from the root
+            self._tree = tree
+            self._routes = self.head.routes(drafter.root_state[None]).cpu().numpy()  # [1, L, E]
+        done = self._routes.shape[0] - 1
+        if len(tree) > done:  # only the nodes of the newest level: one head call, one transfer
+            states = drafter.states(list(range(done, len(tree))))  # [new, H]
+            self._routes = np.concatenate([self._routes, self.head.routes(states).cpu().numpy()])
+        return self._routes[1:], self._routes[0]
 
 
 def gate_routes(model) -> PredictedRoutes:
