@@ -1,0 +1,242 @@
+"""Where one decoding cycle's time goes, part by part (embedded model, CPU; an emulated host link by default).
+
+Every part is a set of functions wrapped with a timer that keeps *exclusive* time (a part's own time, its wrapped
+callees' time taken out), counted only during the decode phase of ``generate()`` (after the prefill). Methods take
+turns prompt by prompt on their own model instances; every method's tokens are checked equal to AR's. Figures are ms
+per decoding cycle (AR: per token) and per committed token; the instrumented runs are a few percent slower than plain
+ones, so read shares and differences, not absolute speed. CPU with an emulated link: not GPU speed.
+
+    python benchmarks/cycle_profile.py --slots 12 --link-ms 0.28 --workload gsm8k --prompts 10 --out runs/profile
+
+Writes ``profile.json`` and ``profile.md`` to ``--out`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import specfit
+from specfit import seam
+from specfit.decoding import acceptance, assistants, loop
+from specfit.drafting import drafter as drafter_module
+from specfit.drafting import levels, tree
+from specfit.evaluation import datasets
+from specfit.evaluation.harness import EMBEDDED_LINK_S, METHODS, load_instances
+from specfit.offload import experts, link
+from specfit.selection import route_sources, selector
+from specfit.stats import GenerateScope
+
+# part -> [(owner, attribute)]: the functions whose exclusive time makes up the part
+PARTS = {
+    "drafter forwards": [(drafter_module.Eagle3Drafter, "forward")],
+    "tree building, drafter bookkeeping": [(levels.TreeDrafter, "levels"), (levels.TreeDrafter, "process"),
+                                           (levels.TreeDrafter, "_add_children"), (levels.TreeDrafter, "extend"),
+                                           (levels.TreeDrafter, "states"), (assistants.SpecFitGenerator, "draft"),
+                                           (assistants.SpecFitGenerator, "observe"),
+                                           (assistants.Eagle3Generator, "draft"),
+                                           (assistants.Eagle3Generator, "select")],
+    "route source": [(route_sources.PredictedRoutes, "__call__"), (route_sources, "oracle_routes")],
+    "selector": [(assistants, "select_subtree")],
+    "verify layout": [(loop, "verify_layout")],
+    "verify forward: attention and other dense": [],  # the target forward's own time (filled in below)
+    "verify forward: experts function": [(experts.LayerRuntime, "forward")],
+    "verify forward: emulated link wait": [(link.EmulatedLink, "wait")],
+    "acceptance": [(loop, "walk")],
+    "KV compaction": [(seam, "keep_kv"), (seam, "crop_kv")],
+    "commit, stopping criteria": [(loop._Run, "commit")],
+}
+TARGET_FORWARD = "verify forward: attention and other dense"
+
+
+class Profiler:
+    def __init__(self):
+        self.on = False
+        self.stack: list[list] = []  # [part, start, child_time]
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def wrap(self, part: str, fn):
+        prof = self
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not prof.on:
+                return fn(*args, **kwargs)
+            frame = [part, time.perf_counter(), 0.0]
+            prof.stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                prof.stack.pop()
+                spent = time.perf_counter() - frame[1]
+                prof.totals[part] += spent - frame[2]
+                if prof.stack:
+                    prof.stack[-1][2] += spent
+
+        return timed
+
+    def install(self):
+        undo = []
+        for part, targets in PARTS.items():
+            for owner, name in targets:
+                original = getattr(owner, name)
+                if getattr(original, "__wrapped_by_profile__", False):
+                    continue
+                if isinstance(original, type(lambda: 0)) and _is_generator(original):
+                    wrapped = self.wrap_generator(part, original)
+                else:
+                    wrapped = self.wrap(part, original)
+                wrapped.__wrapped_by_profile__ = True
+                setattr(owner, name, wrapped)
+                undo.append((owner, name, original))
+        return undo
+
+    def wrap_generator(self, part, fn):
+        prof = self
+
+        @functools.wraps(fn)
+        def gen(*args, **kwargs):
+            it = fn(*args, **kwargs)
+            while True:
+                if not prof.on:
+                    try:
+                        value = next(it)
+                    except StopIteration:
+                        return
+                else:
+                    frame = [part, time.perf_counter(), 0.0]
+                    prof.stack.append(frame)
+                    try:
+                        value = next(it)
+                    except StopIteration:
+                        return
+                    finally:
+                        prof.stack.pop()
+                        spent = time.perf_counter() - frame[1]
+                        prof.totals[part] += spent - frame[2]
+                        if prof.stack:
+                            prof.stack[-1][2] += spent
+                yield value
+
+        return gen
+
+
+def _is_generator(fn) -> bool:
+    import inspect
+
+    return inspect.isgeneratorfunction(fn)
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    methods = args.methods
+    instances, tokenizer = load_instances(methods, args.slots, args.link_ms / 1e3 if args.link_ms else None)
+    prompts = [tokenizer(t, return_tensors="pt").input_ids[:, -450:]
+               for t in datasets.prompts(args.workload, args.prompts, max_chars=1800)]
+    prof = Profiler()
+    undo = prof.install()
+    # the target forward: each model's own forward, wrapped per instance (time outside the experts function)
+    for model in instances.values():
+        model.forward = prof.wrap(TARGET_FORWARD, model.forward)
+    # decode phase only: on after the prefill, off at the end of the call
+    orig_prefill, orig_end = GenerateScope.prefill_done, GenerateScope.end
+
+    def prefill_done(scope):
+        first = scope.after_prefill is None  # end() calls it again: only the real end of the prefill turns it on
+        orig_prefill(scope)
+        prof.on = prof.on or first
+
+    def end(scope, *a, **k):
+        prof.on = False
+        return orig_end(scope, *a, **k)
+
+    GenerateScope.prefill_done, GenerateScope.end = prefill_done, end
+    result = {}
+    try:
+        parts = {m: defaultdict(float) for m in methods}
+        counters = {m: specfit.Counters() for m in methods}
+        reference = None
+        for i, ids in enumerate(prompts):
+            for method, model in instances.items():
+                prof.totals = defaultdict(float)
+                out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                     assistant=METHODS[method].assistant)
+                if method == methods[0]:
+                    reference = out
+                elif not torch.equal(out, reference):
+                    raise AssertionError(f"{method} differs from {methods[0]} on prompt {i}: lossless is broken")
+                if i >= 1:  # the first prompt warms up
+                    counters[method] += model.specfit.stats.last_generate
+                    for k, v in prof.totals.items():
+                        parts[method][k] += v
+        for method in methods:
+            c = counters[method]
+            cycles = c.cycles or 1
+            per_cycle = {k: 1e3 * parts[method].get(k, 0.0) / cycles for k in PARTS}
+            total = 1e3 * c.decode_seconds / cycles
+            per_cycle["other (loop, stats, generate() around the cycles)"] = total - sum(per_cycle.values())
+            overhead = total - sum(v for k, v in per_cycle.items() if k.startswith("verify forward"))
+            result[method] = dict(cycle_ms=total, tokens_per_cycle=c.tokens_per_cycle,
+                                  nodes_per_cycle=c.nodes_per_cycle, copies_per_token=c.copies_per_token,
+                                  tok_s=c.tokens_per_second, parts_ms=per_cycle,
+                                  overhead_share=overhead / total if total else 0.0)
+    finally:
+        GenerateScope.prefill_done, GenerateScope.end = orig_prefill, orig_end
+        for owner, name, original in undo:
+            setattr(owner, name, original)
+    return result
+
+
+def table(result: dict, args) -> str:
+    methods = list(result)
+    lines = [f"Cycle profile: {args.workload}, {args.prompts} prompts (first one warm-up), {args.max_new_tokens} new "
+             f"tokens, {args.slots} slots, " + (f"emulated link {args.link_ms} ms/copy" if args.link_ms else "no link")
+             + " (CPU, instrumented; ms per cycle, AR: per token)", "",
+             "| part | " + " | ".join(METHODS[m].label for m in methods) + " |",
+             "|---|" + "---|" * len(methods)]
+    for part in next(iter(result.values()))["parts_ms"]:
+        lines.append(f"| {part} | " + " | ".join(f"{result[m]['parts_ms'][part]:.2f}" for m in methods) + " |")
+    for name, key, fmt in (("**cycle (ms)**", "cycle_ms", "{:.2f}"), ("tokens per cycle", "tokens_per_cycle", "{:.2f}"),
+                           ("nodes verified per cycle", "nodes_per_cycle", "{:.2f}"),
+                           ("expert copies per token", "copies_per_token", "{:.2f}"),
+                           ("ms per token", None, None), ("overhead share (all but the verify forward)",
+                                                          "overhead_share", "{:.0%}"),
+                           ("tok/s (decode, wall clock, instrumented)", "tok_s", "{:.1f}")):
+        if key is None:
+            cells = [f"{result[m]['cycle_ms'] / (result[m]['tokens_per_cycle'] or 1):.2f}" for m in methods]
+        else:
+            cells = [fmt.format(result[m][key]) for m in methods]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="gsm8k", choices=["gsm8k", "cnn"])
+    p.add_argument("--prompts", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--slots", type=int, default=12)
+    p.add_argument("--link-ms", type=float, default=EMBEDDED_LINK_S * 1e3, help="0: no link")
+    p.add_argument("--methods", nargs="+", default=["ar", "eagle3", "specfit"], choices=list(METHODS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="folder for profile.json and profile.md")
+    args = p.parse_args(argv)
+    result = run(args)
+    text = table(result, args)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile.json").write_text(json.dumps(dict(args=vars(args), result=result), indent=2))
+        (out / "profile.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
