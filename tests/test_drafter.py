@@ -14,7 +14,7 @@ def tiny_config(**overrides) -> Eagle3Config:
     fields = dict(
         hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=V, draft_vocab_size=VD,
-        target_hidden_size=HT, aux_layer_ids=(1, 1, 0),
+        target_hidden_size=HT, aux_layer_ids=(0, 1, 1),
     )
     return Eagle3Config(**{**fields, **overrides})
 
@@ -130,8 +130,14 @@ def test_bf16_forward_keeps_dtype():
 
 def test_config_dict_round_trip_and_unsupported_rope():
     c = tiny_config()
-    assert Eagle3Config.from_dict(c.to_dict()) == c and c.to_dict()["aux_layer_ids"] == [1, 1, 0]
+    assert Eagle3Config.from_dict(c.to_dict()) == c and c.to_dict()["aux_layer_ids"] == [0, 1, 1]
+    flags = dict(norm_before_residual=True, lm_head_norm=False, normed_feedback=True)
+    assert Eagle3Config.from_dict(tiny_config(**flags).to_dict()) == tiny_config(**flags)
+    old = {k: v for k, v in c.to_dict().items() if k not in flags}  # written before the norm flags existed
+    assert Eagle3Config.from_dict(old) == c
     assert Eagle3Config.default_aux_layer_ids(48) == (1, 23, 44)
+    assert Eagle3Config.default_aux_layer_ids(4) == (0, 1, 1)  # (1, N//2-1, N-4), in layer order
+    assert tiny_config(aux_layer_ids=(3, 1, 2)).aux_layer_ids == (1, 2, 3)  # features are fused in layer order
     with pytest.raises(NotImplementedError, match="yarn"):
         Eagle3Drafter(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
 
@@ -210,9 +216,13 @@ def test_ttt_attention_equals_explicit_mask():
     torch.testing.assert_close(_ttt_attention(q, ks, vs), expected)
 
 
-def test_ttt_step_matches_chain_drafting_with_cache():
-    """TTT step j at position i == drafting a chain of j+1 tokens from context position i at inference."""
-    drafter = tiny_drafter()
+@pytest.mark.parametrize(
+    "flags", [{}, {"normed_feedback": True}, {"norm_before_residual": True}, {"lm_head_norm": False}]
+)
+def test_ttt_step_matches_chain_drafting_with_cache(flags):
+    """TTT step j at position i == drafting a chain of j+1 tokens from context position i at inference, for each norm
+    variant (with ``normed_feedback`` both feed the normed state back)."""
+    drafter = tiny_drafter(**flags)
     aux, ids, _, _ = ttt_batch(b=1, t=10)
     with torch.no_grad():
         ttt = [(logits, hidden) for logits, hidden in ttt_unroll(drafter, aux, ids, steps=3)]

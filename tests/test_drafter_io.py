@@ -1,14 +1,20 @@
-"""Reading and writing EAGLE-3 drafter checkpoints: public key layouts, aux-layer conventions, fit checks."""
+"""Reading and writing EAGLE-3 drafter checkpoints: public key layouts, aux-layer conventions, the norm flags each
+tool writes, fit checks, and errors that name the unreadable file."""
 
 import contextlib
 import json
+import random
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specfit.drafting.drafter import Eagle3Config, Eagle3Drafter
+from specfit.drafting.capture import AuxCapture
+from specfit.drafting.drafter import DraftCache, Eagle3Config, Eagle3Drafter
 from specfit.drafting.formats import load_drafter, save_drafter
+from specfit.selection.route_predictor import RoutePredictor
 from specfit.training.ttt import draft_vocab_from_counts
 
 V, H, VD, N_LAYERS = 256, 64, 100, 4  # the tiny target: vocab, hidden, layers; the drafter's draft vocab
@@ -30,7 +36,7 @@ def make_drafter(**overrides) -> Eagle3Drafter:
     fields = dict(
         hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, vocab_size=V, draft_vocab_size=VD,
-        target_hidden_size=H, aux_layer_ids=(1, 1, 0),
+        target_hidden_size=H, aux_layer_ids=(0, 1, 1),
     )
     torch.manual_seed(1)
     drafter = Eagle3Drafter(Eagle3Config(**{**fields, **overrides}))
@@ -62,11 +68,45 @@ def write(folder, config, state, fmt="safetensors"):
     return folder
 
 
-def run(drafter, seed=2):
+def inputs(drafter, seed=2):
     torch.manual_seed(seed)
-    ids, feats = torch.randint(0, V, (1, 6)), torch.randn(1, 6, 3 * drafter.config.target_hidden_size)
+    return torch.randint(0, V, (1, 6)), torch.randn(1, 6, 3 * drafter.config.target_hidden_size)
+
+
+def run(drafter, seed=2):
+    ids, feats = inputs(drafter, seed)
     with torch.no_grad():
         return drafter(ids, feats, torch.arange(6)[None])[0]
+
+
+def reference(d, ids, feats, norm_before_residual=False, lm_head_norm=True, normed_feedback=False):
+    """The first drafting step written out from ``d``'s weights, with each norm flag as the references apply it:
+    SpecForge ``compute_logits`` (norm_output), speculators ``Eagle3DecoderLayer`` / vLLM ``llama_eagle3.py``
+    (norm_before_residual: the residual is hidden_norm(hidden); norm_output: the normed state is fed back).
+    -> (logits [1, T, Vd], the state fed back [1, T, H])."""
+    m, eps = d.midlayer, d.config.rms_norm_eps
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    with torch.no_grad():
+        x = feats @ d.fc.weight.T  # [1, T, H]
+        normed = rms(x, m.hidden_norm.weight)
+        residual = normed if norm_before_residual else x
+        qkv_in = torch.cat([rms(d.embed(ids), m.input_layernorm.weight), normed], -1)  # [1, T, 2H]
+        q, k, v = m.self_attn.project(qkv_in, torch.arange(ids.shape[1])[None])
+        rep = q.shape[1] // k.shape[1]
+        a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        h = residual + m.self_attn.output(a)
+        h = h + m.mlp(rms(h, m.post_attention_layernorm.weight))
+        n = rms(h, d.norm.weight)
+        return d.lm_head(n if lm_head_norm else h), (n if normed_feedback else h)
+
+
+def speculators_state(state):
+    """vLLM / speculators key naming: ``model.`` on everything but lm_head, ``layers.0.`` for the midlayer."""
+    return {("" if k == "lm_head.weight" else "model.") + k.replace("midlayer.", "layers.0."): v
+            for k, v in state.items()}
 
 
 def speculators_config(config):
@@ -93,7 +133,8 @@ def test_save_load_round_trip(tmp_path, target):
     save_drafter(drafter, tmp_path / "d")
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 1, 0], "use_aux_hidden_state": True}
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 1], "use_aux_hidden_state": True}
+    assert "norm_output" not in config  # SpecForge's default (true) is left implicit: vLLM reads the field otherwise
     keys = set(load_file(str(tmp_path / "d" / "model.safetensors")))
     assert "midlayer.self_attn.q_proj.weight" in keys and not any("embed" in k for k in keys)
 
@@ -121,9 +162,7 @@ def test_speculators_layout(tmp_path, target):
     drafter = make_drafter(aux_layer_ids=(1, 2, 3))
     drafter.set_embedding(target.get_input_embeddings())
     _, config, state = checkpoint(tmp_path, drafter)
-    # vLLM naming: model. on everything but lm_head
-    state = {("" if k == "lm_head.weight" else "model.") + k.replace("midlayer.", "layers.0."): v
-             for k, v in state.items()}
+    state = speculators_state(state)
     state["verifier_lm_head.weight"] = torch.zeros(VD, H)  # the target's head copy: ignored
     loaded = load_drafter(write(tmp_path / "spec", speculators_config(config), state), target=target)
     assert loaded.config.aux_layer_ids == (1, 2, 3)  # hidden-state indices 2, 3, 4 -> outputs of layers 1, 2, 3
@@ -163,7 +202,7 @@ def test_full_vocab_without_maps_and_owned_embedding(tmp_path, target):
         ("eagle_config", [2, 3, 3], "auto", (2, 3, 3)),  # kept, with a warning: vLLM/sglang#25454 would shift it
         ("eagle_config", [2, 3, 4], "hidden_states", (1, 2, 3)),  # override
         ("top", [1, 2, 3], "output", (1, 2, 3)),  # override
-        (None, None, "auto", (1, 1, 0)),  # default (1, N//2-1, N-4) for N=4
+        (None, None, "auto", (0, 1, 1)),  # default (1, N//2-1, N-4) for N=4, in ascending order
     ],
 )
 def test_aux_layer_conventions(tmp_path, target, where, ids, convention, expected):
@@ -257,3 +296,266 @@ def test_unsupported_variants(tmp_path):
     with pytest.raises(NotImplementedError, match="llama3"):
         rope = {"rope_type": "llama3", "factor": 8.0}
         load_drafter(write(tmp_path / "rope", {**config, "rope_scaling": rope}, state))
+
+
+# ------------------------------------------------------------------------------------------------ norm flags
+
+
+def test_reference_is_the_default_drafter(target):
+    drafter = make_drafter()
+    drafter.set_embedding(target.get_input_embeddings())
+    ids, feats = inputs(drafter)
+    with torch.no_grad():
+        logits, fed = drafter(ids, feats, torch.arange(6)[None])
+    want_logits, want_fed = reference(drafter, ids, feats)
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(fed, want_fed)
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_specforge_norm_output(tmp_path, target, norm_output):
+    """SpecForge (llama3_eagle.py compute_logits, default true): true scores lm_head(norm(h)), false scores lm_head(h);
+    the pre-norm h is fed back either way."""
+    drafter = make_drafter()
+    drafter.set_embedding(target.get_input_embeddings())
+    _, config, state = checkpoint(tmp_path, drafter)
+    config["norm_output"] = norm_output
+    loaded = load_drafter(write(tmp_path / "specforge", config, state), target=target)
+    assert loaded.config.lm_head_norm is norm_output and loaded.config.normed_feedback is False
+    ids, feats = inputs(drafter)
+    with torch.no_grad():
+        logits, fed = loaded(ids, feats, torch.arange(6)[None])
+    want_logits, want_fed = reference(drafter, ids, feats, lm_head_norm=norm_output)
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(fed, want_fed)
+    assert bool((logits - run(drafter)).abs().max() > 0.1) is not norm_output  # false really changes the logits
+    # written back only when false (SpecForge's default is true), and read back the same
+    save_drafter(loaded, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text()).get("norm_output", True) is norm_output
+    assert torch.equal(run(load_drafter(tmp_path / "again", target=target)), logits)
+
+
+@pytest.mark.parametrize("norm_output", [None, False, True])
+def test_speculators_norm_output(tmp_path, target, norm_output):
+    """speculators (eagle3 core.py, default false) / vLLM (llama_eagle3.py aux_output): true feeds norm(h) back to the
+    next step; the logits are lm_head(norm(h)) either way."""
+    drafter = make_drafter(aux_layer_ids=(1, 2, 3))
+    drafter.set_embedding(target.get_input_embeddings())
+    _, config, state = checkpoint(tmp_path, drafter)
+    spec = speculators_config(config)
+    if norm_output is not None:
+        spec["norm_output"] = norm_output
+    loaded = load_drafter(write(tmp_path / "spec", spec, speculators_state(state)), target=target)
+    normed = bool(norm_output)
+    assert loaded.config.normed_feedback is normed and loaded.config.lm_head_norm is True
+    ids, feats = inputs(drafter)
+    pos, nxt, nxt_pos = torch.arange(6)[None], torch.randint(0, V, (1, 1)), torch.tensor([[6]])
+    cache = DraftCache()
+    with torch.no_grad():
+        logits, fed = loaded(ids, feats, pos, cache=cache)
+        got_next, _ = loaded(nxt, fed[:, -1:], nxt_pos, cache=cache)
+        # the second step by hand: the default drafter given the state the reference feeds back
+        steps = {}
+        for by_hand in (False, True):
+            ref_cache = DraftCache()
+            _, h = drafter(ids, feats, pos, cache=ref_cache)
+            back = drafter.norm(h) if by_hand else h
+            steps[by_hand] = drafter(nxt, back[:, -1:], nxt_pos, cache=ref_cache)[0]
+    want_logits, want_fed = reference(drafter, ids, feats, normed_feedback=normed)
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(fed, want_fed)
+    torch.testing.assert_close(got_next, steps[normed])
+    assert (steps[True] - steps[False]).abs().max() > 0.1  # the fed-back state matters from the second step on
+
+
+@pytest.mark.parametrize(
+    "layout, value, expected",
+    [
+        ("speculators", None, True),  # vLLM algos.py update_eagle3: config_dict.get("norm_before_residual", True)
+        ("speculators", False, False),
+        ("speculators", True, True),
+        ("flat", None, False),  # vLLM llama_eagle3.py: getattr(config, "norm_before_residual", False)
+        ("flat", True, True),
+    ],
+)
+def test_norm_before_residual(tmp_path, target, layout, value, expected):
+    drafter = make_drafter(aux_layer_ids=(1, 2, 3))
+    drafter.set_embedding(target.get_input_embeddings())
+    _, config, state = checkpoint(tmp_path, drafter)
+    if layout == "speculators":
+        config, state = speculators_config(config), speculators_state(state)
+    config.pop("norm_before_residual", None)
+    if value is not None:
+        config["norm_before_residual"] = value
+    loaded = load_drafter(write(tmp_path / layout, config, state), target=target)
+    assert loaded.config.norm_before_residual is expected
+    ids, feats = inputs(drafter)
+    with torch.no_grad():
+        logits, fed = loaded(ids, feats, torch.arange(6)[None])
+    want_logits, want_fed = reference(drafter, ids, feats, norm_before_residual=expected)
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(fed, want_fed)
+    assert bool((logits - run(drafter)).abs().max() > 0.1) is expected
+
+
+@pytest.mark.parametrize("flag", ["normed_feedback", "norm_before_residual"])
+def test_save_refuses_what_specforge_cannot_express(tmp_path, flag):
+    with pytest.raises(NotImplementedError, match=f"no field for {flag}=true"):
+        save_drafter(make_drafter(**{flag: True}), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------ EAGLE trainer
+
+
+def test_eagle_trainer_full_vocab_checkpoint(tmp_path, target):
+    """EAGLE traineagle3 with draft_vocab_size == vocab_size: scandata keeps d2t over the ids it saw (here 200 of 256)
+    and t2d bool [V] marking them; save_16bit_model writes an fp16 pytorch_model.bin without the frozen embedding.
+    ea_model.py deletes its d2t/t2d before load_state_dict(strict=False): the draft vocab is the target's."""
+    drafter = make_drafter(draft_vocab_size=V)
+    drafter.set_embedding(target.get_input_embeddings())
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_(p.half().float())  # the values an fp16 checkpoint can hold
+    state = {k: v.half() for k, v in drafter.state_dict().items() if k not in ("d2t", "t2d")}
+    used = sorted(random.Random(0).sample(range(V), 200))
+    state["d2t"] = torch.tensor([u - i for i, u in enumerate(used)])  # int64 [200]
+    state["t2d"] = torch.tensor([i in used for i in range(V)])  # bool [V]
+    config = {  # eagle/traineagle3/config.json, scaled down: a plain Llama config, no eagle_config, no head_dim
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": H, "intermediate_size": 96, "max_position_embeddings": 512,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "pretraining_tp": 1,
+        "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "torch_dtype": "float16", "use_cache": True, "vocab_size": V, "draft_vocab_size": V,
+    }
+    folder = write(tmp_path / "eagle", config, state, fmt="bin")
+    with pytest.warns(UserWarning, match="d2t/t2d ignored: draft_vocab_size == vocab_size = 256.* 200 ids it saw"):
+        loaded = load_drafter(folder, target=target, dtype=torch.float32)
+    assert loaded.to_target_ids(torch.arange(V)).tolist() == list(range(V)) and bool(loaded.t2d.all())
+    assert loaded.config.head_dim == 16 and loaded.config.aux_layer_ids == Eagle3Config.default_aux_layer_ids(N_LAYERS)
+    assert torch.equal(run(loaded), run(drafter))
+
+
+def test_full_vocab_identity_maps_load_quietly(tmp_path):
+    folder, _, state = checkpoint(tmp_path, make_drafter(draft_vocab_size=V))
+    assert not state["d2t"].any() and state["t2d"].all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_drafter(folder, num_target_layers=N_LAYERS)
+
+
+# ------------------------------------------------------------------------------------------------ aux-layer order
+
+
+@pytest.mark.parametrize("where, ids", [("eagle_config", [1, 2, 0]), ("top", [3, 1, 2])])
+def test_aux_ids_out_of_order_are_fused_in_layer_order(tmp_path, target, where, ids):
+    """vLLM, SGLang and EAGLE capture while walking the target's layers, so the features are concatenated in
+    ascending layer order whatever order the config lists the ids in."""
+    _, config, state = checkpoint(tmp_path, make_drafter())
+    del config["eagle_config"]
+    if where == "eagle_config":
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
+    else:
+        config["eagle_aux_hidden_state_layer_ids"] = ids
+    with pytest.warns(UserWarning, match=r"not in ascending order.*output-of-layer ids \(0, 1, 2\)"):
+        loaded = load_drafter(write(tmp_path / "order", config, state), target=target)
+    assert loaded.config.aux_layer_ids == (0, 1, 2)
+    capture = AuxCapture(target, loaded.config.aux_layer_ids)
+    try:
+        with torch.no_grad():
+            hidden_states = target(torch.randint(0, V, (1, 5)), output_hidden_states=True).hidden_states
+    finally:
+        capture.remove()
+    # HF hidden_states[j] is the output of layer j-1: outputs of layers 0, 1, 2, low to high
+    assert torch.equal(capture.features(), torch.cat([hidden_states[1], hidden_states[2], hidden_states[3]], -1))
+
+
+# ------------------------------------------------------------------------------------------------ unreadable files
+
+
+@pytest.mark.parametrize("damage", ["truncated", "git-lfs pointer", "empty"])
+def test_corrupt_safetensors_names_the_file(tmp_path, damage):
+    folder, _, _ = checkpoint(tmp_path, make_drafter())
+    weights = folder / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-8])
+    elif damage == "git-lfs pointer":
+        weights.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0123abcd\nsize 123456\n")
+    else:
+        weights.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file .*fetch it again"):
+        load_drafter(folder, num_target_layers=N_LAYERS)
+
+
+def test_corrupt_shard_bin_and_config_name_the_file(tmp_path):
+    folder, config, state = checkpoint(tmp_path, make_drafter())
+    state = {k: v.clone() for k, v in state.items()}  # load_file maps the file, which is about to be cut short
+    shard = folder / "model-00001-of-00001.safetensors"
+    (folder / "model.safetensors").rename(shard)
+    index = {"metadata": {}, "weight_map": {k: shard.name for k in state}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert torch.equal(load_drafter(folder, num_target_layers=N_LAYERS).d2t, state["d2t"])  # the sharded layout loads
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model-00001-of-00001\.safetensors: not a readable safetensors file"):
+        load_drafter(folder, num_target_layers=N_LAYERS)
+    (folder / "model.safetensors.index.json").write_text("{\"weight_map\": ")
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: not valid JSON"):
+        load_drafter(folder, num_target_layers=N_LAYERS)
+
+    binary = write(tmp_path / "bin", config, state, fmt="bin")
+    weights = binary / "pytorch_model.bin"
+    for damaged in (weights.read_bytes()[:-200], b"garbage, not a pickle", b""):
+        weights.write_bytes(damaged)
+        with pytest.raises(ValueError, match=r"pytorch_model\.bin: not a readable PyTorch checkpoint"):
+            load_drafter(binary, num_target_layers=N_LAYERS)
+
+    (binary / "config.json").write_text("{\"hidden_size\": 64,")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        load_drafter(binary, num_target_layers=N_LAYERS)
+
+
+def test_corrupt_route_predictor_names_the_file(tmp_path):
+    RoutePredictor(2, 4, 8, 2).save(tmp_path)
+    weights = tmp_path / "route_predictor.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(ValueError, match=r"route_predictor\.safetensors: not a readable safetensors .*train-router"):
+        RoutePredictor.load(tmp_path)
+    save_file({"bias": torch.zeros(2, 4)}, str(weights))
+    with pytest.raises(ValueError, match=r"route_predictor\.safetensors: no tensor 'weight'"):
+        RoutePredictor.load(tmp_path)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=r"no route predictor in .*specfit train-router"):
+        RoutePredictor.load(tmp_path)
+    (tmp_path / "route_predictor.json").write_text("{")
+    with pytest.raises(ValueError, match=r"route_predictor\.json: not valid JSON"):
+        RoutePredictor.load(tmp_path)
+
+
+def test_missing_repo_like_path_offline(tmp_path, monkeypatch):
+    """With the hub switched off (HF_HUB_OFFLINE), a path that is not here but looks like owner/name says so."""
+    import huggingface_hub.constants
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    with pytest.raises(FileNotFoundError, match=r"nosuchowner/nosuchdrafter: no such folder, and no hub access") as e:
+        load_drafter("nosuchowner/nosuchdrafter", num_target_layers=N_LAYERS)
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained hub traceback
+
+
+def test_missing_repo_like_path_unreachable_hub(tmp_path, monkeypatch):
+    """The hub cannot be reached (simulated): the hub's "check your internet connection" advice is not the answer."""
+    import huggingface_hub
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    def unreachable(repo_id, **kwargs):
+        raise LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub and we cannot "
+                                      "find the appropriate snapshot folder. Please check your internet connection.")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(FileNotFoundError, match="no such folder, and no hub access") as e:
+        load_drafter("owner/drafter", num_target_layers=N_LAYERS)
+    assert "internet" not in str(e.value) and e.value.__cause__ is None
+    with pytest.raises(FileNotFoundError, match=r"no drafter checkpoint at \./owner/drafter: no such file or folder"):
+        load_drafter("./owner/drafter", num_target_layers=N_LAYERS)

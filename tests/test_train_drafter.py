@@ -132,6 +132,16 @@ def test_responses_are_cached(tokenizer, prompts, tmp_path):
 # ------------------------------------------------------------------------------------------------ training
 
 
+def test_make_drafter_keeps_aux_layers_in_layer_order():
+    """The features are fused in ascending layer order (as vLLM, SGLang and EAGLE capture them), whatever the order
+    the ids are passed in; the config records them that way."""
+    target = tiny_target()
+    d2t, t2d = draft_vocab_from_counts(torch.ones(384), 192, 384)
+    drafter = td.make_drafter(target, d2t, t2d, intermediate_size=64, aux_layer_ids=(3, 0, 2))
+    assert drafter.config.aux_layer_ids == (0, 2, 3)
+    assert td.make_drafter(target, d2t, t2d, intermediate_size=64).config.aux_layer_ids == (1, 2, 3)
+
+
 def test_training_lowers_heldout_loss(data, tmp_path):
     target = tiny_target()
     train_idx, heldout_idx = td.split(data, heldout_fraction=0.2)

@@ -4,11 +4,16 @@ Input pairing (EAGLE-3 reference, SpecForge, vLLM): at drafter position i the dr
 token i and the embedding of token i+1, and predicts token i+2. With context tokens t_0..t_L, where t_L is the token
 the target produced last, the context pairs are (f_p, t_{p+1}) for p = 0..L-1 at RoPE positions p, and position L-1
 predicts t_{L+1}. Drafting goes on by feeding each drafted token at the position after the one that predicted it,
-paired with that position's pre-norm output as ``hidden`` (width H, ``fc`` skipped): the token drafted at L-1 is fed
+paired with that position's output as ``hidden`` (width H, ``fc`` skipped): the token drafted at L-1 is fed
 at position L, its child at L+1, and so on (siblings share a position; a tree mask keeps them apart).
 
-Target features are the outputs of three target decoder layers, concatenated low, mid, high (``aux_layer_ids``,
-0-based output-of-layer ids; see ``formats`` for the other conventions in the wild).
+Target features are the outputs of three target decoder layers, concatenated in ascending layer order as vLLM, SGLang
+and EAGLE do (``aux_layer_ids``, 0-based output-of-layer ids, kept sorted; see ``formats`` for the other conventions).
+
+Norm variants (flags of ``Eagle3Config``; the defaults are the standard EAGLE-3 drafter), with ``h`` the midlayer
+output: ``lm_head_norm`` false scores ``lm_head(h)`` instead of ``lm_head(norm(h))`` (SpecForge ``norm_output:
+false``); ``normed_feedback`` feeds ``norm(h)`` back instead of ``h`` (speculators / vLLM ``norm_output: true``);
+``norm_before_residual`` makes ``hidden_norm(hidden)`` the first residual instead of ``hidden`` (speculators / vLLM).
 
 Vocabulary: ``lm_head`` scores a reduced draft vocabulary of Vd ids. ``d2t[d]`` is an OFFSET (target id = d + d2t[d])
 and ``t2d[v]`` marks the target ids that are in the draft vocabulary. The embedding is the target's (vocab V).
@@ -50,12 +55,18 @@ class Eagle3Config:
     vocab_size: int  # the TARGET vocab: rows of the shared embedding, length of t2d
     draft_vocab_size: int  # rows of lm_head, length of d2t
     target_hidden_size: int  # fc reads 3 * this
-    aux_layer_ids: tuple[int, int, int]  # 0-based target decoder layers whose OUTPUT is captured (low, mid, high)
+    aux_layer_ids: tuple[int, int, int]  # 0-based target decoder layers whose OUTPUT is captured; stored ascending
     hidden_act: str = "silu"
     rope_scaling: dict | None = None  # only None / rope_type "default" is implemented
+    norm_before_residual: bool = False  # the first residual is hidden_norm(hidden), not hidden
+    lm_head_norm: bool = True  # lm_head reads norm(h); False: the un-normed h
+    normed_feedback: bool = False  # the next step receives norm(h), not h
 
     def __post_init__(self):
-        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        # features are concatenated in ascending layer order (vLLM, SGLang, EAGLE test membership in a walk over the
+        # layers), so the listed order carries no meaning; a repeated id is captured twice here (those readers would
+        # capture it once)
+        self.aux_layer_ids = tuple(sorted(int(i) for i in self.aux_layer_ids))
         if len(self.aux_layer_ids) != 3:
             raise ValueError(f"aux_layer_ids must hold 3 layer ids (low, mid, high), got {self.aux_layer_ids}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -71,9 +82,9 @@ class Eagle3Config:
 
     @staticmethod
     def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
-        """The EAGLE reference choice for an N-layer target: outputs of layers 1, N//2-1, N-4."""
+        """The EAGLE reference choice for an N-layer target: outputs of layers 1, N//2-1, N-4 (sorted, for small N)."""
         n = num_target_layers
-        return (1, n // 2 - 1, n - 4)
+        return tuple(sorted((1, n // 2 - 1, n - 4)))
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, intermediate_size: int | None = None) -> Eagle3Config:
@@ -220,6 +231,7 @@ class Eagle3Layer(nn.Module):
 
     def __init__(self, c: Eagle3Config):
         super().__init__()
+        self.norm_before_residual = c.norm_before_residual
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Eagle3Attention(c)
@@ -227,9 +239,11 @@ class Eagle3Layer(nn.Module):
         self.mlp = Eagle3MLP(c)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, attend: Attend):
-        """emb, hidden [B, T, H] -> pre-norm output [B, T, H]. The residual is the un-normed ``hidden``."""
-        residual = hidden
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H], embedding first
+        """emb, hidden [B, T, H] -> pre-norm output [B, T, H]. The residual is ``hidden`` (``hidden_norm(hidden)`` with
+        ``norm_before_residual``)."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # [B, T, 2H], embedding first
         q, k, v = self.self_attn.project(x, position_ids)
         h = residual + self.self_attn.output(attend(q, k, v))
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -299,8 +313,14 @@ class Eagle3Drafter(nn.Module):
         return emb(input_ids.to(emb.weight.device)).to(device=w.device, dtype=w.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm states [B, T, H] -> draft-vocab logits [B, T, Vd]."""
-        return self.lm_head(self.norm(hidden))
+        """Midlayer outputs [B, T, H] -> draft-vocab logits [B, T, Vd]."""
+        return self.lm_head(self.norm(hidden) if self.config.lm_head_norm else hidden)
+
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Midlayer outputs [B, T, H] -> (logits [B, T, Vd], the states fed back to the next step [B, T, H])."""
+        normed = self.norm(h)
+        logits = self.lm_head(normed if self.config.lm_head_norm else h)
+        return logits, (normed if self.config.normed_feedback else h)
 
     def forward(
         self,
@@ -314,15 +334,16 @@ class Eagle3Drafter(nn.Module):
 
         Args:
             input_ids: [B, T] token ids (target vocab): the token AFTER the one each feature belongs to.
-            hidden: [B, T, 3*Ht] fused target features (``fc`` is applied) or [B, T, H] pre-norm drafter outputs fed
-                back at depth > 1 (``fc`` is skipped).
+            hidden: [B, T, 3*Ht] fused target features (``fc`` is applied) or [B, T, H] drafter states fed back at
+                depth > 1 (``fc`` is skipped).
             position_ids: [B, T] RoPE positions.
             cache: the drafter's KV cache; the new keys/values are appended to it.
             attention_mask: additive float mask [B, 1, T, len(cache)+T] (0 attend, finfo.min masked), e.g. a tree
                 mask; None means causal attention over the cache and the new positions.
 
         Returns:
-            logits [B, T, Vd] over the draft vocab and the pre-norm hidden states [B, T, H].
+            logits [B, T, Vd] over the draft vocab and the states to feed back [B, T, H]: the pre-norm midlayer
+            output, or its ``norm`` with ``normed_feedback``.
         """
         c = self.config
         hidden = hidden.to(self.fc.weight.dtype)
@@ -337,7 +358,7 @@ class Eagle3Drafter(nn.Module):
             return _cached_attention(q, k, v, cache, attention_mask)
 
         h = self.midlayer(self.embed(input_ids), hidden, position_ids, attend)
-        return self.logits(h), h
+        return self.head(h)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids (``d2t`` holds offsets; all zeros when the vocabularies coincide)."""

@@ -7,9 +7,22 @@ Layouts read (a folder with ``config.json`` and ``model.safetensors``, a safeten
 * vLLM / speculators: keys ``layers.0.*`` instead of ``midlayer.*``; speculators configs have a top-level
   ``speculators_model_type: "eagle3"`` and the layer fields nested in ``transformer_layer_config`` (written as a diff
   against ``LlamaConfig``, so missing fields take the Llama defaults).
+* EAGLE trainer (``traineagle3``): a flat ``LlamaForCausalLM`` config and an unprefixed ``pytorch_model.bin``.
 * Any key may carry a ``model.`` prefix. ``head_dim`` comes from the config or else from ``q_proj`` rows / heads.
-  ``draft_vocab_size`` absent means the full vocab (``d2t`` / ``t2d`` may then be absent: identity);
-  ``target_hidden_size`` absent means ``hidden_size``.
+  ``draft_vocab_size`` absent means the full vocab. A full-vocab drafter's ``d2t`` / ``t2d`` are the identity: absent
+  maps are filled in, and maps over fewer ids (the EAGLE trainer saves them over the ids it saw) are dropped with a
+  warning, as EAGLE's own loader drops them. ``target_hidden_size`` absent means ``hidden_size``.
+
+Norm flags, read as the tool that writes the format means them:
+
+* ``norm_output``, flat configs (SpecForge, default true): whether ``lm_head`` reads the final ``norm`` of the
+  midlayer output (``lm_head_norm``). vLLM reads a flat ``norm_output`` with the speculators meaning; SpecForge, which
+  writes flat configs, is followed here.
+* ``norm_output``, speculators configs (default false): true feeds the normed state back to the next step
+  (``normed_feedback``); the logits are ``lm_head(norm(h))`` either way (speculators, vLLM ``llama_eagle3.py``).
+* ``norm_before_residual``: the first residual is ``hidden_norm(hidden)``. A speculators config without the field
+  means true (vLLM ``update_eagle3`` in ``speculators/algos.py``); a flat config without it means false (vLLM).
+* ``fc_norm`` and ``norm_before_fc`` (extra norms before ``fc``) are refused.
 
 Aux-layer ids. SpecFit stores ONE convention: the 0-based index of the target decoder layer whose OUTPUT is captured
 (SpecForge's). The ids found in checkpoints (notes: eagle3.md §1.1) are converted:
@@ -72,8 +85,8 @@ REQUIRED_KEYS = (
 )
 OPTIONAL_KEYS = {"embed_tokens.weight"}  # an owned embedding; otherwise the target's is shared
 IGNORED_KEYS = {"verifier_lm_head.weight", "verifier_norm.weight"}  # speculators: copies of the target's head / norm
-# variants with extra norms or a different residual; their weights would not be used by this module
-UNSUPPORTED_FLAGS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
+# variants with extra norms before fc; their weights would not be used by this module
+UNSUPPORTED_FLAGS = ("fc_norm", "norm_before_fc")
 AUX_CONVENTIONS = ("auto", "output", "hidden_states")
 
 
@@ -98,13 +111,16 @@ def load_drafter(
 
     Raises:
         ValueError: missing / unexpected keys, shapes that contradict the config, or a drafter that does not fit the
-            target; the message names the key and both shapes.
-        NotImplementedError: a variant this module does not implement (extra norms, non-default RoPE, >1 layer).
+            target (the message names the key and both shapes); an unreadable (truncated / corrupt) weights or config
+            file (the message names the file).
+        FileNotFoundError: no such folder or file, and (for an ``owner/name`` path) no hub repo that can be reached.
+        NotImplementedError: a variant this module does not implement (norms before ``fc``, non-default RoPE,
+            >1 layer).
     """
     if aux_layer_convention not in AUX_CONVENTIONS:
         raise ValueError(f"aux_layer_convention={aux_layer_convention!r}, expected one of {AUX_CONVENTIONS}")
     folder, weights_path = _locate(path_or_dir)
-    raw = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    raw = _read_json(folder / CONFIG_NAME)
     state = _normalize_keys(_read_weights(weights_path))
     fields, ids, found_convention = _parse_config(raw)
     if fields["head_dim"] is None:
@@ -144,12 +160,23 @@ def load_drafter(
 
 
 def save_drafter(drafter: Eagle3Drafter, out_dir) -> None:
-    """Write ``config.json`` + ``model.safetensors`` in the SpecForge layout (``midlayer.*``, no shared embedding)."""
+    """Write ``config.json`` + ``model.safetensors`` in the SpecForge layout (``midlayer.*``, no shared embedding).
+
+    Raises:
+        NotImplementedError: ``normed_feedback`` or ``norm_before_residual``, which SpecForge's EAGLE-3 model has no
+            field for (a flat config's ``norm_output`` means ``lm_head_norm``).
+    """
     from safetensors.torch import save_file
 
+    c = drafter.config
+    for name, field in (("normed_feedback", "norm_output"), ("norm_before_residual", "norm_before_residual")):
+        if getattr(c, name):
+            raise NotImplementedError(
+                f"save_drafter writes the SpecForge layout, which has no field for {name}=true (speculators configs "
+                f"write it as {field}); SpecForge's EAGLE-3 model would load this drafter without it"
+            )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    c = drafter.config
     state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -172,6 +199,8 @@ def save_drafter(drafter: Eagle3Drafter, out_dir) -> None:
         "torch_dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids), "use_aux_hidden_state": True},
     }
+    if not c.lm_head_norm:  # SpecForge's default is true; written only when false, as vLLM reads the field otherwise
+        config["norm_output"] = False
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     save_file(state, str(out / SAFETENSORS_NAME), metadata={"format": "pt"})
 
@@ -180,14 +209,10 @@ def save_drafter(drafter: Eagle3Drafter, out_dir) -> None:
 
 
 def _locate(path_or_dir) -> tuple[Path, Path]:
-    """-> (folder with config.json, weights file)."""
+    """-> (folder with config.json, weights file); a missing local path shaped like ``owner/name`` is a hub repo."""
     path = Path(path_or_dir)
     if not path.exists():
-        if str(path_or_dir).count("/") != 1:
-            raise FileNotFoundError(f"no drafter checkpoint at {path_or_dir}")
-        from huggingface_hub import snapshot_download
-
-        path = Path(snapshot_download(str(path_or_dir), allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+        path = _download(str(path_or_dir))
     folder = path if path.is_dir() else path.parent
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {folder}")
@@ -199,18 +224,72 @@ def _locate(path_or_dir) -> tuple[Path, Path]:
     raise FileNotFoundError(f"no {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {BIN_NAME} in {folder}")
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def _download(text: str) -> Path:
+    """A hub repo id -> its local snapshot; FileNotFoundError naming the path when there is neither."""
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"no drafter checkpoint at {text}: no such file or folder")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"no drafter checkpoint at {text}: no such folder (and not a valid hub repo id)"
+        ) from None
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"no drafter checkpoint at {text}: no such folder, and no hub access to download the repo {text!r} "
+            "(offline or unreachable, and not in the local hub cache); check the path, or download the repo first"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"no drafter checkpoint at {text}: no such folder, and no hub repo {text!r} (missing, private or gated)"
+        ) from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the file is corrupt: fetch the checkpoint again") from e
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    """One safetensors or PyTorch weights file -> tensors; ValueError naming the file when it cannot be read."""
+    import pickle
+
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    if path.name.endswith(".index.json"):
-        shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
-        state = {}
-        for shard in shards:
-            state.update(load_file(str(path.parent / shard), device="cpu"))
-        return state
     if path.suffix == ".safetensors":
-        return load_file(str(path), device="cpu")
-    return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return load_file(str(path), device="cpu")
+        except SafetensorError as e:
+            raise ValueError(
+                f"{path}: not a readable safetensors file ({e}); it is truncated or corrupt (an interrupted download "
+                "or a git-lfs pointer?): fetch it again"
+            ) from e
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+        first = str(e).splitlines()[0] if str(e) else "empty file"
+        raise ValueError(
+            f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {first}); it is truncated or corrupt: "
+            "fetch it again"
+        ) from e
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if path.name.endswith(".index.json"):
+        index = _read_json(path)
+        if not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"{path}: no 'weight_map' object (a safetensors index maps tensor names to shard files)")
+        state = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            state.update(_read_file(path.parent / shard))
+        return state
+    return _read_file(path)
 
 
 def _normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -248,6 +327,12 @@ def _parse_config(raw: dict) -> tuple[dict, tuple[int, ...] | None, str]:
     for flag in UNSUPPORTED_FLAGS:
         if raw.get(flag) or layer.get(flag):
             raise NotImplementedError(f"drafter variant with {flag}=true is not supported")
+    if speculators is not None:  # speculators Eagle3SpeculatorConfig fields, read as vLLM's update_eagle3 does
+        norms = {"norm_before_residual": bool(raw.get("norm_before_residual", True)), "lm_head_norm": True,
+                 "normed_feedback": bool(raw.get("norm_output", False))}
+    else:  # SpecForge LlamaForCausalLMEagle3: norm_output (default true) is whether lm_head reads norm(h)
+        norms = {"norm_before_residual": bool(raw.get("norm_before_residual", False)),
+                 "lm_head_norm": bool(raw.get("norm_output", True)), "normed_feedback": False}
     if layer.get("num_hidden_layers", 1) != 1:
         raise NotImplementedError(f"drafters with num_hidden_layers={layer['num_hidden_layers']} are not supported")
 
@@ -271,6 +356,7 @@ def _parse_config(raw: dict) -> tuple[dict, tuple[int, ...] | None, str]:
         "target_hidden_size": raw.get("target_hidden_size") or layer.get("target_hidden_size") or layer["hidden_size"],
         "hidden_act": layer["hidden_act"],
         "rope_scaling": rope_scaling,
+        **norms,
     }
     return fields, (tuple(int(i) for i in ids) if ids is not None else None), convention
 
@@ -292,6 +378,13 @@ def _resolve_aux_ids(ids, convention: str, num_target_layers: int | None) -> tup
             if min(ids) < 1:
                 raise ValueError(f"{found}: HF hidden-state index 0 is the embeddings, not a decoder layer output")
             out = tuple(i - 1 for i in ids)
+        if list(out) != sorted(out):
+            warnings.warn(
+                f"{found}: not in ascending order; vLLM, SGLang and EAGLE concatenate the captured layers in ascending "
+                f"layer order, so the features are fused as output-of-layer ids {tuple(sorted(out))}",
+                stacklevel=3,
+            )
+            out = tuple(sorted(out))
     if num_target_layers is not None and not all(0 <= i < num_target_layers for i in out):
         raise _fit_error(
             f"{found} gives output-of-layer ids {out}, expected ids in [0, num_hidden_layers={num_target_layers})"
@@ -328,10 +421,21 @@ def _expected_shapes(c: Eagle3Config) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def _complete_vocab_maps(state: dict, c: Eagle3Config) -> None:
-    """Full-vocab drafters may omit d2t / t2d: the maps are then the identity. Normalise their dtypes."""
+    """A full-vocab drafter's maps are the identity (EAGLE's loader drops the saved ones). Normalise their dtypes."""
     if c.draft_vocab_size == c.vocab_size:
-        state.setdefault("d2t", torch.zeros(c.vocab_size, dtype=torch.long))
-        state.setdefault("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+        v = c.vocab_size
+        d2t, t2d = state.get("d2t"), state.get("t2d")
+        identity = (d2t is None or (d2t.shape == (v,) and not bool(d2t.any()))) and (
+            t2d is None or (t2d.shape == (v,) and bool(t2d.bool().all())))
+        if not identity:
+            seen = f"{d2t.shape[0]} " if d2t is not None and d2t.dim() == 1 else ""
+            warnings.warn(
+                f"d2t/t2d ignored: draft_vocab_size == vocab_size = {v}, so the draft vocabulary is the target's (the "
+                f"EAGLE trainer saves maps over the {seen}ids it saw; EAGLE's own loader drops them too)",
+                stacklevel=3,
+            )
+        state["d2t"] = torch.zeros(v, dtype=torch.long)
+        state["t2d"] = torch.ones(v, dtype=torch.bool)
     if "d2t" in state:
         state["d2t"] = state["d2t"].long()
     if "t2d" in state:

@@ -63,19 +63,32 @@ class RoutePredictor(nn.Module):
 
     @classmethod
     def load(cls, folder, model=None) -> "RoutePredictor":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         folder = Path(folder)
+        missing = FileNotFoundError(f"no route predictor in {folder} (expected {CONFIG} and {FILE}; train one with "
+                                    f"`specfit train-router`)")
         try:
             config = json.loads((folder / CONFIG).read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"no route predictor in {folder} (expected {CONFIG} and {FILE}; train one with "
-                                    f"`specfit train-router`)") from None
+            raise missing from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{folder / CONFIG}: not valid JSON ({e}); restore it or train the predictor again with "
+                             "`specfit train-router`") from e
         if config.get("format") != FORMAT:
             raise ValueError(f"{folder / CONFIG}: field 'format' is {config.get('format')!r}, expected {FORMAT!r}")
         head = cls(config["num_layers"], config["num_experts"], config["hidden_size"], config["top_k"])
-        tensors = load_file(folder / FILE)
+        try:
+            tensors = load_file(folder / FILE)
+        except FileNotFoundError:
+            raise missing from None
+        except SafetensorError as e:
+            raise ValueError(f"{folder / FILE}: not a readable safetensors file ({e}); it is truncated or corrupt: "
+                             "restore it or train the predictor again with `specfit train-router`") from e
         for name in ("weight", "bias"):
+            if name not in tensors:
+                raise ValueError(f"{folder / FILE}: no tensor {name!r} (it holds {sorted(tensors)})")
             want = tuple(getattr(head, name).shape)
             if tuple(tensors[name].shape) != want:
                 raise ValueError(f"{folder / FILE}: {name} has shape {tuple(tensors[name].shape)}, expected {want}")

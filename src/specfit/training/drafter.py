@@ -16,7 +16,7 @@ import json
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -64,7 +64,7 @@ def make_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, intermediate_size
     """
     c = target.config
     config = Eagle3Config.from_target(c, draft_vocab_size=len(d2t), intermediate_size=intermediate_size)
-    config.aux_layer_ids = tuple(aux_layer_ids or default_aux_layers(c.num_hidden_layers))
+    config = replace(config, aux_layer_ids=aux_layer_ids or default_aux_layers(c.num_hidden_layers))  # sorts them
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(config)
     with torch.no_grad():

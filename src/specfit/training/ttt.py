@@ -8,7 +8,8 @@ Shift conventions. One sequence holds tokens t_0..t_{T-1} (``input_ids[b]``); se
 
 Step j = 0..steps-1 at drafter position i:
 
-    hidden     j = 0: fc(aux_hidden[:, i]);  j > 0: the drafter's pre-norm output of step j-1 at position i
+    hidden     j = 0: fc(aux_hidden[:, i]);  j > 0: the state step j-1 fed back at position i (its pre-norm output,
+               or that output's norm for a ``normed_feedback`` drafter)
     token      t_{i+1+j} (ground truth at every step, embedded with the frozen target embedding)
     position   position_ids[:, i] + j
     predicts   t_{i+2+j}; the target distribution is softmax(target_logits[:, i+1+j][t2d]) over the draft vocab
@@ -19,9 +20,12 @@ Positions with i+2+j >= T have nothing to predict and are left out. The attentio
 context position i sees at inference: the context KV (step 0, causal) and its own ancestors (steps 1..j at i).
 It is computed by appending each earlier step's diagonal score q_i.k_i to the causal scores before the softmax.
 
-Differences from the reference trainers (EAGLE ``traineagle3``, SpecForge ``OnlineEagle3Model``), on purpose:
-* they also hide the step-0 keys at positions i-j+1..i at step j (a shifted mask questioned in SafeAILab/EAGLE#247,
-  its removal proposed in SpecForge#245); here step j sees the whole causal context, as inference does;
+The attention and RoPE are the reference trainers' (EAGLE ``traineagle3``, SpecForge's EAGLE-3 model): both used to
+hide the step-0 keys at positions i-j+1..i at step j, a shifted mask EAGLE removed in 2025-09 (SafeAILab/EAGLE
+09b1628, after SafeAILab/EAGLE#247) and SpecForge after it (sgl-project/SpecForge#245, #244); step j now sees the
+whole causal context plus its own ancestors, as at inference, at RoPE position i+j (their ``position_ids + lck``).
+
+Differences from the reference trainers, on purpose:
 * they weight position i at step j with the unshifted loss_mask[:, i+j]; here the mask of the predicted token;
 * they average over all B*T positions; here each step's loss is the mean over its masked positions.
 """
@@ -103,7 +107,7 @@ def ttt_unroll(
     steps: int = 7,
     position_ids: torch.Tensor | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield (logits [B, T, Vd], pre-norm hidden [B, T, H]) for TTT steps 0..steps-1 (conventions: module docstring).
+    """Yield (logits [B, T, Vd], fed-back hidden [B, T, H]) for TTT steps 0..steps-1 (conventions: module docstring).
 
     A generator so that a caller can reduce each step's logits before the next step allocates its own.
     """
@@ -122,8 +126,8 @@ def ttt_unroll(
     for j in range(steps):
         with torch.no_grad():  # the embedding is the target's, frozen
             emb = drafter.embed(_shift_left(input_ids, 1 + j))  # token t_{i+1+j} at position i
-        hidden = drafter.midlayer(emb, hidden, position_ids + j, attend)
-        yield drafter.logits(hidden), hidden
+        logits, hidden = drafter.head(drafter.midlayer(emb, hidden, position_ids + j, attend))
+        yield logits, hidden
 
 
 def ttt_loss(
