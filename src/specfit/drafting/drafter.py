@@ -154,15 +154,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # the same arithmetic without two no-op casts (each a torch call)
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
+_INV_FREQ: dict = {}  # (head_dim, theta, device) -> inv_freq [D/2]: the same for every call
+
+
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """Default RoPE tables for [B, T] positions -> cos, sin [B, 1, T, D] (computed in fp32, like HF)."""
-    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / theta**exponent  # [D/2]
+    key = (head_dim, theta, position_ids.device)
+    inv_freq = _INV_FREQ.get(key)
+    if inv_freq is None:
+        exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+        inv_freq = _INV_FREQ[key] = 1.0 / theta**exponent  # [D/2]
     freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]

@@ -105,12 +105,13 @@ class TreeDrafter:
     def _add_children(self, expansions) -> None:
         """Add the top-k children of each expanded node, best path probability first, within the node budget."""
         tree = self.tree
+        logits = torch.stack([lg for _, lg, _ in expansions])  # [n, Vd]: one softmax and top-k for the whole level
+        q, draft_ids = torch.softmax(logits.float(), -1).topk(self.topk)  # [n, k], [n, k]
+        probs, tokens = q.tolist(), self.drafter.to_target_ids(draft_ids).tolist()
         candidates = []
-        for parent, logits, state in expansions:
-            q, draft_ids = torch.softmax(logits.float(), -1).topk(self.topk)  # [k], [k]
-            tokens = self.drafter.to_target_ids(draft_ids).tolist()
+        for (parent, _, state), qs, ts in zip(expansions, probs, tokens):
             base = 1.0 if parent < 0 else tree.path_probs[parent]
-            candidates += [(base * p, parent, t, state) for p, t in zip(q.tolist(), tokens)]
+            candidates += [(base * p, parent, t, state) for p, t in zip(qs, ts)]
         candidates.sort(key=lambda c: -c[0])
         for path_prob, parent, token, state in candidates[: self.max_pool - len(tree)]:
             self._drafted_by[tree.add(parent, token, path_prob)] = state
