@@ -148,3 +148,26 @@ def test_model_with_its_own_cache_refused_even_with_full_attention_only():
     model = tiny("minimax", layer_types=["full_attention"] * 4)
     with pytest.raises(ValueError, match="builds a cache of its own"):
         specfit.enable(model, cache_slots=2, drafter=drafter_for(model))
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_streaming_loader_reads_the_hub_layout(family, tmp_path):
+    """save_pretrained writes the hub layout (per-expert w1/w3/w2 or gate/up/down_proj, fused 3-D tensors, Granite's
+    input/output_linear); from_pretrained streams it into the store and matches the model."""
+    source = tiny(family)
+    source.save_pretrained(tmp_path, max_shard_size="200KB")
+    ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    model = specfit.from_pretrained(tmp_path, cache_slots=2, dtype=torch.float32, device="cpu")
+    torch.testing.assert_close(logits(model, ids), logits(source, ids), rtol=1e-5, atol=1e-5)
+    assert not any(".experts." in n for n, _ in model.named_parameters())
+
+
+def test_quantized_checkpoint_refused_naming_the_format(tmp_path):
+    import json
+
+    tiny("gpt_oss").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized \\('mxfp4'"):
+        specfit.from_pretrained(tmp_path, cache_slots=2, dtype=torch.float32, device="cpu")

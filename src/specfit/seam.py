@@ -8,12 +8,15 @@ that overrides it.) When transformers moves, this file moves. It is the bottom l
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming, apply_renamings
 from transformers.integrations.moe import ExpertsInterface
 
 EXPERTS_IMPL = "specfit"
@@ -511,3 +514,27 @@ def check_attention(model) -> None:
             f"attn_implementation='eager' ({type(model).__name__} does not support sdpa)"
         raise ValueError(f"tree verification needs attn_implementation 'sdpa' or 'eager' (a 4-D additive mask), the "
                          f"model uses {impl!r}; load it with {load}")
+
+
+# --- Checkpoints ----------------------------------------------------------------------------------------------
+def checkpoint_renamer(model):
+    """key -> key: transformers' own renamings of hub checkpoint keys for this model (``conversion_mapping``: e.g.
+    Mixtral's ``block_sparse_moe`` -> ``mlp``, PhiMoE's ``block_sparse_moe.gate`` -> ``mlp.router``, Granite's
+    ``router.layer`` -> ``router``); the converters that fuse per-expert tensors are not applied (the loader reads
+    experts itself)."""
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return lambda key: apply_renamings(key, renamings)
+
+
+def ignored_checkpoint_key(model, key: str) -> bool:
+    """Keys transformers drops on load (``_keys_to_ignore_on_load_unexpected``: DeepSeek-V3 / GLM / Ernie / Qwen3-Next
+    multi-token-prediction layers)."""
+    return any(re.search(p, key) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+
+
+def quantization_method(config) -> str | None:
+    """The checkpoint's quantization (``config.quantization_config.quant_method``: "mxfp4", "fp8", ...), if any."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    return str(q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", q))

@@ -68,12 +68,16 @@ class ExpertStore:
                     view.copy_(src[e].detach())
 
     def write_part(self, layer: int, expert: int, part: str, weight: torch.Tensor) -> None:
-        """Fill one checkpoint tensor: ``gate_proj``/``up_proj`` [I, H] or ``down_proj`` [H, I]."""
-        gate_up, down = self.expert(layer, expert)
+        """Fill one checkpoint tensor of one expert: ``gate_proj``/``up_proj`` [I, H], ``down_proj`` [H, I], or the
+        fused ``gate_up_proj`` [2I, H] (the model's own gate/up order), ``gate_up_proj_bias`` [2I],
+        ``down_proj_bias`` [H]."""
+        gate_up, down, gate_up_bias, down_bias = self.parts(self.arenas[layer][expert])
         target = {"gate_proj": gate_up[: self.intermediate], "up_proj": gate_up[self.intermediate:],
-                  "down_proj": down}.get(part)
+                  "gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": gate_up_bias,
+                  "down_proj_bias": down_bias}.get(part)
         if target is None:
-            raise ValueError(f"unknown expert part {part!r}; expected gate_proj, up_proj or down_proj")
+            raise ValueError(f"unknown expert part {part!r} for layout {self.layout}; expected gate_proj, up_proj, "
+                             f"gate_up_proj or down_proj" + (" or their biases" if self.layout.bias else ""))
         if tuple(weight.shape) != tuple(target.shape):
             raise ValueError(f"layer {layer} expert {expert} {part}: shape {tuple(weight.shape)}, "
                              f"expected {tuple(target.shape)}")
