@@ -171,3 +171,10 @@ def test_quantized_checkpoint_refused_naming_the_format(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantized \\('mxfp4'"):
         specfit.from_pretrained(tmp_path, cache_slots=2, dtype=torch.float32, device="cpu")
+
+
+def test_static_cache_with_sliding_layers_refused():
+    model = tiny("gpt_oss")
+    specfit.enable(model, cache_slots=2, drafter=drafter_for(model), cost_model=COST, pool_nodes=8, max_nodes=5)
+    with pytest.raises(ValueError, match="static sliding-window cache layers"):
+        model.generate(PROMPT, max_new_tokens=NEW, do_sample=False, assistant="eagle3", cache_implementation="static")

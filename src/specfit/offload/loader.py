@@ -121,7 +121,9 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
                     store.write_part(i, e, part, tensor)
                     seen.add((i, e, part))
                 del tensor  # it maps the shard: keep no reference past the shard's close
-    parts = ("gate_proj", "up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if first.layout.bias else ())
+    parts = ("gate_proj", "up_proj", "down_proj")
+    if first.layout.bias:
+        parts += ("gate_up_proj_bias", "down_proj_bias")
     paths_of = {i: path for path, (i, _) in block_index.items()}
     for i, moe in enumerate(layers):
         for e in range(num_experts):
