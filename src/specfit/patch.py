@@ -69,19 +69,23 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     # them, so they come back on the compute device, beside the rest of the model
     param_device, param_dtype, requires_grad = device, None, False
     if store is None:
-        gate_up = first.experts.gate_up_proj
+        gate_up = seam.expert_param(first)
         param_device, param_dtype, requires_grad = gate_up.device, gate_up.dtype, gate_up.requires_grad
-        store = ExpertStore(len(layers), num_experts, first.hidden, first.intermediate, gate_up.dtype, pin=pin)
+        store = ExpertStore(len(layers), num_experts, first.hidden, first.intermediate, gate_up.dtype, pin=pin,
+                            bias=first.layout.bias)
         for i, moe in enumerate(layers):
             with torch.no_grad():
-                store.write_fused(i, moe.experts.gate_up_proj, moe.experts.down_proj)
-            del moe.experts.gate_up_proj, moe.experts.down_proj  # released: the store holds the only copy
+                store.write_fused(i, *seam.expert_tensors(moe))
+            seam.release_expert_tensors(moe)  # released: the store holds the only copy
+    elif store.layout != first.layout:
+        raise ValueError(f"the store holds experts of layout {store.layout}, the model's are {first.layout}")
 
     runtime = SpecFitRuntime(store, config, device)
     for moe, layer_rt in zip(layers, runtime.layers):
         setattr(moe.experts, ATTR, layer_rt)
     previous_impl = seam.experts_implementation(model)
     seam.set_experts_implementation(model, seam.EXPERTS_IMPL, specfit_experts_forward)
+    seam.route_blocks(layers, specfit_experts_forward)  # experts outside transformers' interface (Llama-4)
     base = model.model
     hooks = [base.register_forward_pre_hook(lambda module, args: runtime.begin_forward()),
              base.register_forward_hook(lambda module, args, output: runtime.end_forward())]
@@ -110,13 +114,13 @@ def disable(model: nn.Module) -> nn.Module:
         handle.remove()
     remove_generation_strategy(model, r["original_class"])
     seam.set_experts_implementation(model, r["previous_impl"])
-    for i, moe in enumerate(seam.moe_layers(model)):
+    layers = seam.moe_layers(model)
+    seam.unroute_blocks(layers)
+    for i, moe in enumerate(layers):
         if hasattr(moe.experts, ATTR):
             delattr(moe.experts, ATTR)
-        gate_up, down = runtime.store.fused(i)
-        dtype = r["param_dtype"] or gate_up.dtype
-        moe.experts.gate_up_proj = nn.Parameter(gate_up.to(r["param_device"], dtype), r["requires_grad"])
-        moe.experts.down_proj = nn.Parameter(down.to(r["param_device"], dtype), r["requires_grad"])
+        seam.restore_expert_tensors(moe, runtime.store.tensors(i), r["param_device"], r["param_dtype"],
+                                    r["requires_grad"])
     runtime.store.release()
     del model.specfit
     return model
@@ -164,6 +168,7 @@ def _check_options(model, options: DecodingOptions) -> None:
 def set_drafter(model, drafter) -> None:
     """Attach an EAGLE-3 drafter (module, or checkpoint folder checked against the target at load)."""
     runtime = model.specfit
+    seam.check_layer_types(model)  # assistants need KV-attention layers: refuse hybrids before any work
     if runtime.aux_capture is not None:
         runtime.aux_capture.remove()
     if not isinstance(drafter, torch.nn.Module):

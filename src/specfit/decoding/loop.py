@@ -82,7 +82,8 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         t_drafted = time.perf_counter()
         layout = verify_layout(tree, nodes, cycle.root, cycle.base, seam.kv_capacity(cache, len(nodes) + 1),
                                seam.compute_dtype(model), runtime.device)
-        out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=layout.mask,
+        masks = seam.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
+        out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=masks,
                     use_cache=True, logits_to_keep=0)  # 3. verify
         verify = runtime.stats.last_forward
         tokens = [cycle.root] + [tree.tokens[v] for v in layout.nodes]  # the host has them: no device round trip

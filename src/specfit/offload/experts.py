@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from .. import seam
 
@@ -47,9 +46,9 @@ class LayerRuntime:
         source = self._untracked(needed) if rt.untracked else self.cache.fetch(needed, rt.forward_counters)
         for e, weights in source:
             start, count = starts[e]
-            gate_up, down = rt.store.split(weights)  # [2I, H], [H, I]
-            h = seam.expert_activation(module, F.linear(rows[start:start + count], gate_up))
-            out[order[start:start + count]] = F.linear(h, down)
+            # one expert's math is the family's (biases, GPT-OSS's clamped SwiGLU, ...): seam.expert_forward
+            out[order[start:start + count]] = seam.expert_forward(module, rows[start:start + count],
+                                                                  *rt.store.parts(weights))
         out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
         return out.view(num_tokens, top_k, -1).sum(dim=1)
 

@@ -23,8 +23,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from .. import seam
 from .store import ExpertStore
 
-_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_PARTS = ("gate_proj", "up_proj", "down_proj")
+# hub layouts of routed experts, matched on keys after transformers' renamings (seam.checkpoint_renamer):
+# one tensor per expert (Qwen, DeepSeek, GLM, ...: gate_proj/up_proj/down_proj; Mixtral, PhiMoE: w1/w3/w2),
+# fused 3-D tensors (GPT-OSS bf16, Llama-4: gate_up_proj/down_proj [+ biases]), Granite's input/output_linear
+_PER_EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_FUSED = re.compile(r"^(.+)\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
+_GRANITE = re.compile(r"^(.+)\.(input_linear|output_linear)\.weight$")
+_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "input_linear": "gate_up_proj",
+         "output_linear": "down_proj"}
+_QUANTIZED_SUFFIXES = ("_blocks", "_scales", "weight_scale_inv", ".qweight", ".scales")
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
@@ -57,6 +64,11 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     ``(model, store, device)``, the model without expert parameters, ready for ``enable(..., store=store)``."""
     folder = resolve_checkpoint(path_or_id, revision)
     config = AutoConfig.from_pretrained(folder)
+    quantized = seam.quantization_method(config)
+    if quantized is not None:
+        raise ValueError(f"{folder}: the checkpoint is quantized ({quantized!r}, e.g. GPT-OSS's MXFP4 experts); "
+                         f"SpecFit's streaming loader reads unquantized (bf16/fp16/fp32) checkpoints only. Use a bf16 "
+                         f"release, or load with transformers (dequantising) and call specfit.enable(model, ...)")
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -67,9 +79,14 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     first = layers[0]
     num_experts = first.num_experts
     for moe in layers:
-        del moe.experts.gate_up_proj, moe.experts.down_proj  # the store takes their place
-    store = ExpertStore(len(layers), num_experts, first.hidden, first.intermediate, dtype, pin=pin)
-    moe_index = {moe.layer: i for i, moe in enumerate(layers)}
+        seam.release_expert_tensors(moe)  # the store takes their place
+    store = ExpertStore(len(layers), num_experts, first.hidden, first.intermediate, dtype, pin=pin,
+                        bias=first.layout.bias)
+    paths = {name: module for name, module in model.named_modules()}
+    block_index = {}  # MoE block path -> (index among MoE layers, MoELayer)
+    for i, moe in enumerate(layers):
+        block_index[next(n for n, m in paths.items() if m is moe.block)] = (i, moe)
+    rename = seam.checkpoint_renamer(model)
 
     known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
@@ -77,22 +94,44 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     for shard in shard_files(folder):
         with safe_open(str(shard), framework="pt", device="cpu") as f:
             for key in f.keys():
-                m = _EXPERT_KEY.match(key)
-                if m is not None:
-                    layer, expert, part = int(m[1]), int(m[2]), m[3]
-                    if layer not in moe_index or expert >= num_experts:
-                        raise ValueError(f"{shard.name}: {key} does not fit the model (MoE layers "
-                                         f"{sorted(moe_index)}, {num_experts} experts)")
-                    store.write_part(moe_index[layer], expert, part, f.get_tensor(key))
-                    seen.add((layer, expert, part))
+                if key.endswith(_QUANTIZED_SUFFIXES):
+                    raise ValueError(f"{shard.name}: {key!r} is a quantized tensor (MXFP4 blocks/scales, FP8 scales, "
+                                     f"...); SpecFit's streaming loader reads unquantized checkpoints only")
+                if seam.ignored_checkpoint_key(model, key):
+                    continue
+                name = rename(key)
+                expert = _expert_tensor(name, block_index)
+                if expert is None:
+                    _load_tensor(model, known, name, f.get_tensor(key), device, dtype, shard)
+                    continue
+                i, moe, e, part = expert
+                tensor = f.get_tensor(key)
+                if e is None:  # fused over experts: [E, ...] in the model's orientation
+                    if moe.transposed and tensor.dim() == 3:
+                        tensor = tensor.transpose(1, 2)
+                    if tensor.shape[0] != num_experts:
+                        raise ValueError(f"{shard.name}: {key} holds {tensor.shape[0]} experts, the model has "
+                                         f"{num_experts}")
+                    for j in range(num_experts):
+                        store.write_part(i, j, part, tensor[j])
+                        seen.add((i, j, part))
                 else:
-                    _load_tensor(model, known, key, f.get_tensor(key), device, dtype, shard)
-    for moe in layers:
+                    if e >= num_experts:
+                        raise ValueError(f"{shard.name}: {key} does not fit the model ({num_experts} experts)")
+                    store.write_part(i, e, part, tensor)
+                    seen.add((i, e, part))
+                del tensor  # it maps the shard: keep no reference past the shard's close
+    parts = ("gate_proj", "up_proj", "down_proj")
+    if first.layout.bias:
+        parts += ("gate_up_proj_bias", "down_proj_bias")
+    paths_of = {i: path for path, (i, _) in block_index.items()}
+    for i, moe in enumerate(layers):
         for e in range(num_experts):
-            for part in _PARTS:
-                if (moe.layer, e, part) not in seen:
+            for part in parts:
+                fused = part in ("gate_proj", "up_proj") and (i, e, "gate_up_proj") in seen
+                if (i, e, part) not in seen and not fused:
                     raise KeyError(f"checkpoint {folder} is missing expert weight "
-                                   f"'model.layers.{moe.layer}.mlp.experts.{e}.{part}.weight'")
+                                   f"'{paths_of[i]}.experts.{e}.{part}.weight' (or a fused tensor holding it)")
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
@@ -104,6 +143,18 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model, store, device
+
+
+def _expert_tensor(name: str, block_index: dict):
+    """(MoE index, MoELayer, expert or None for all, store part) if ``name`` is a routed-expert tensor, else None."""
+    for pattern in (_PER_EXPERT, _FUSED, _GRANITE):
+        m = pattern.match(name)
+        if m is not None and m[1] in block_index:
+            i, moe = block_index[m[1]]
+            if pattern is _PER_EXPERT:
+                return i, moe, int(m[2]), _PART.get(m[3], m[3])
+            return i, moe, None, _PART.get(m[2], m[2])
+    return None
 
 
 def _load_tensor(model, known: set, key: str, tensor: torch.Tensor, device, dtype, shard: Path) -> None:

@@ -1,7 +1,8 @@
 """Host side of the offload: every routed expert lives in host memory, one contiguous arena per MoE layer.
 
 Layout of one layer's arena ``[E, 3*I*H]``: row ``e`` is expert ``e`` flattened as ``gate_up [2I, H]`` (gate rows
-first, then up rows, as in transformers' fused ``gate_up_proj``) followed by ``down [H, I]``. One expert is one row,
+first, then up rows, as in transformers' fused ``gate_up_proj``) followed by ``down [H, I]``; families with expert
+biases (GPT-OSS) append ``gate_up_bias [2I]`` and ``down_bias [H]`` (``seam.ExpertLayout``). One expert is one row,
 so moving it to the device is one copy. On CUDA the arenas are pinned in place at their exact size with
 ``cudaHostRegister`` (torch's pinned allocator rounds every block up to a power of two: 54 GiB would cost ~72 GiB).
 """
@@ -13,14 +14,16 @@ import weakref
 
 import torch
 
+from .. import seam
 
 class ExpertStore:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 pin: bool | str = "auto"):
+                 pin: bool | str = "auto", bias: bool = False):
         if pin not in (True, False, "auto"):
             raise ValueError(f"pin must be True, False or 'auto', got {pin!r}")
         self.num_experts, self.hidden, self.intermediate, self.dtype = num_experts, hidden, intermediate, dtype
-        self.expert_numel = 3 * intermediate * hidden
+        self.layout = seam.ExpertLayout(hidden, intermediate, bias)
+        self.expert_numel = self.layout.numel
         self.arenas = [torch.empty(num_experts, self.expert_numel, dtype=dtype) for _ in range(num_layers)]
         self.pinned_bytes = 0
         self._registered: list[int] = []
@@ -44,38 +47,51 @@ class ExpertStore:
     # views -----------------------------------------------------------------------------------------------------
     def split(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One flat expert row (host or device) -> (gate_up [2I, H], down [H, I]) views."""
-        n = 2 * self.intermediate * self.hidden
-        return row[:n].view(2 * self.intermediate, self.hidden), row[n:].view(self.hidden, self.intermediate)
+        return self.layout.split(row)[:2]
+
+    def parts(self, row: torch.Tensor):
+        """One flat expert row -> (gate_up [2I, H], down [H, I], gate_up_bias [2I] | None, down_bias [H] | None)."""
+        return self.layout.split(row)
 
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.split(self.arenas[layer][expert])
 
-    def write_fused(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """Fill a layer from transformers' fused parameters: gate_up [E, 2I, H], down [E, H, I]."""
-        n = 2 * self.intermediate * self.hidden
-        arena = self.arenas[layer]
-        arena[:, :n].copy_(gate_up.detach().reshape(self.num_experts, n))
-        arena[:, n:].copy_(down.detach().reshape(self.num_experts, -1))
+    def write_fused(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias=None,
+                    down_bias=None) -> None:
+        """Fill a layer from fused tensors: gate_up [E, 2I, H], down [E, H, I] (+ biases [E, 2I], [E, H])."""
+        for e in range(self.num_experts):
+            views = self.parts(self.arenas[layer][e])
+            for view, src in zip(views, (gate_up, down, gate_up_bias, down_bias)):
+                if view is not None:
+                    if src is None:
+                        raise ValueError(f"layer {layer}: the store holds expert biases, none were given")
+                    view.copy_(src[e].detach())
 
     def write_part(self, layer: int, expert: int, part: str, weight: torch.Tensor) -> None:
-        """Fill one checkpoint tensor: ``gate_proj``/``up_proj`` [I, H] or ``down_proj`` [H, I]."""
-        gate_up, down = self.expert(layer, expert)
+        """Fill one checkpoint tensor of one expert: ``gate_proj``/``up_proj`` [I, H], ``down_proj`` [H, I], or the
+        fused ``gate_up_proj`` [2I, H] (the model's own gate/up order), ``gate_up_proj_bias`` [2I],
+        ``down_proj_bias`` [H]."""
+        gate_up, down, gate_up_bias, down_bias = self.parts(self.arenas[layer][expert])
         target = {"gate_proj": gate_up[: self.intermediate], "up_proj": gate_up[self.intermediate:],
-                  "down_proj": down}.get(part)
+                  "gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": gate_up_bias,
+                  "down_proj_bias": down_bias}.get(part)
         if target is None:
-            raise ValueError(f"unknown expert part {part!r}; expected gate_proj, up_proj or down_proj")
+            raise ValueError(f"unknown expert part {part!r} for layout {self.layout}; expected gate_proj, up_proj, "
+                             f"gate_up_proj or down_proj" + (" or their biases" if self.layout.bias else ""))
         if tuple(weight.shape) != tuple(target.shape):
             raise ValueError(f"layer {layer} expert {expert} {part}: shape {tuple(weight.shape)}, "
                              f"expected {tuple(target.shape)}")
         target.copy_(weight)
 
     def fused(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh contiguous copies in transformers' fused layout (used by ``disable``)."""
-        n = 2 * self.intermediate * self.hidden
-        arena = self.arenas[layer]
-        gate_up = arena[:, :n].reshape(self.num_experts, 2 * self.intermediate, self.hidden).clone()
-        down = arena[:, n:].reshape(self.num_experts, self.hidden, self.intermediate).clone()
-        return gate_up, down
+        """Fresh contiguous copies in transformers' fused layout (gate_up [E, 2I, H], down [E, H, I])."""
+        return self.tensors(layer)[:2]
+
+    def tensors(self, layer: int):
+        """Fresh copies of every part, stacked over experts: (gate_up [E, 2I, H], down [E, H, I], gate_up_bias
+        [E, 2I] | None, down_bias [E, H] | None) (used by ``disable``)."""
+        rows = [self.parts(row) for row in self.arenas[layer]]
+        return tuple(None if part[0] is None else torch.stack(part) for part in zip(*rows))
 
     # pinning ---------------------------------------------------------------------------------------------------
     def _pin(self) -> None:

@@ -19,34 +19,74 @@ from .. import seam
 FILE = "route_predictor.safetensors"
 CONFIG = "route_predictor.json"
 FORMAT = "specfit-route-predictor"
+SCORINGS = ("logits", "softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2")
 
 
 class RoutePredictor(nn.Module):
-    def __init__(self, num_layers: int, num_experts: int, hidden_size: int, top_k: int):
+    """``states [N, H] -> logits [N, L, E]`` (a linear map per layer), then each layer's routers' own selection rule
+    (``seam.RouterRule``): top-k of the logits, or of ``sigmoid``/``softmax`` scores plus a correction bias within
+    the best expert groups (DeepSeek-V3, GLM-4-MoE, dots1, Ernie, DeepSeek-V2's group-limited greedy)."""
+
+    def __init__(self, num_layers: int, num_experts: int, hidden_size: int, top_k: int, scoring: str = "logits",
+                 n_group: int = 1, topk_group: int = 1, group_score: str = "max"):
         super().__init__()
+        if scoring not in SCORINGS or group_score not in GROUP_SCORES:
+            raise ValueError(f"scoring must be one of {SCORINGS} and group_score one of {GROUP_SCORES}, got "
+                             f"{scoring!r}, {group_score!r}")
+        if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group={n_group} must divide {num_experts} experts and topk_group={topk_group} be in "
+                             f"1..n_group")
         self.num_layers, self.num_experts, self.hidden_size, self.top_k = num_layers, num_experts, hidden_size, top_k
+        self.scoring, self.n_group, self.topk_group, self.group_score = scoring, n_group, topk_group, group_score
         self.weight = nn.Parameter(torch.zeros(num_layers, num_experts, hidden_size))  # [L, E, H]
         self.bias = nn.Parameter(torch.zeros(num_layers, num_experts))  # [L, E]
+        self.register_buffer("correction", torch.zeros(num_layers, num_experts))  # [L, E], added to the scores
 
     @classmethod
     def from_gates(cls, model) -> "RoutePredictor":
-        """The target's routers stacked: the untrained ``gate`` predictor, and the predictor's initialisation."""
+        """The target's routers stacked, with their selection rule: the untrained ``gate`` predictor (exactly the
+        target's routes when applied to a layer's router input), and the predictor's initialisation."""
         layers = seam.moe_layers(model)
-        gates = torch.stack([m.gate.weight.detach().float() for m in layers])  # [L, E, H]
-        top_k = layers[0].top_k
-        head = cls(gates.shape[0], gates.shape[1], gates.shape[2], top_k)
+        rules = [seam.router_rule(m) for m in layers]
+        first = rules[0]
+        shape = (first.top_k, first.scoring, first.n_group, first.topk_group, first.group_score)
+        for moe, rule in zip(layers, rules):
+            if (rule.top_k, rule.scoring, rule.n_group, rule.topk_group, rule.group_score) != shape:
+                raise ValueError(f"layer {moe.layer}'s router selects differently from layer {layers[0].layer}'s; "
+                                 f"the 'gate' predictor needs one rule for every MoE layer")
+        weight = rules[0].weight
+        head = cls(len(rules), weight.shape[0], weight.shape[1], *shape)
         with torch.no_grad():
-            head.weight.copy_(gates)
-        return head.to(layers[0].gate.weight.device)
+            head.weight.copy_(torch.stack([r.weight.float() for r in rules]))
+            for i, r in enumerate(rules):
+                if r.bias is not None:
+                    head.bias[i].copy_(r.bias.float())
+                if r.correction is not None:
+                    head.correction[i].copy_(r.correction.float())
+        return head.to(weight.device)
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
-        """states [N, H] -> expert scores [N, L, E]."""
+        """states [N, H] -> expert logits [N, L, E]."""
         return torch.einsum("nh,leh->nle", states.float(), self.weight) + self.bias
+
+    def choice_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, L, E] -> the scores the routers rank ([N, L, E]; -inf outside the kept expert groups)."""
+        scores = {"logits": logits, "softmax": logits.softmax(-1), "sigmoid": logits.sigmoid()}[self.scoring]
+        scores = scores + self.correction
+        if self.n_group > 1:
+            groups = scores.view(*scores.shape[:-1], self.n_group, -1)  # [N, L, G, E/G]
+            group = groups.max(-1).values if self.group_score == "max" else groups.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group, dtype=torch.bool).scatter_(-1, group.topk(self.topk_group, -1).indices,
+                                                                      True)  # [N, L, G]
+            keep = keep.repeat_interleave(self.num_experts // self.n_group, dim=-1)  # [N, L, E]
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return scores
 
     @torch.no_grad()
     def routes(self, states: torch.Tensor) -> torch.Tensor:
         """states [N, H] -> bool routes [N, L, E] (top-k per layer)."""
-        scores = self(states)
+        scores = self.choice_scores(self(states))
         out = torch.zeros_like(scores, dtype=torch.bool)
         return out.scatter_(-1, scores.topk(self.top_k, dim=-1).indices, True)
 
@@ -55,11 +95,13 @@ class RoutePredictor(nn.Module):
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({"weight": self.weight.detach().cpu().contiguous(), "bias": self.bias.detach().cpu().contiguous()},
-                  folder / FILE)
+        save_file({name: t.detach().cpu().contiguous() for name, t in
+                   (("weight", self.weight), ("bias", self.bias), ("correction", self.correction))}, folder / FILE)
         (folder / CONFIG).write_text(json.dumps(dict(format=FORMAT, num_layers=self.num_layers,
                                                      num_experts=self.num_experts, hidden_size=self.hidden_size,
-                                                     top_k=self.top_k), indent=2) + "\n")
+                                                     top_k=self.top_k, scoring=self.scoring, n_group=self.n_group,
+                                                     topk_group=self.topk_group, group_score=self.group_score),
+                                                indent=2) + "\n")
 
     @classmethod
     def load(cls, folder, model=None) -> "RoutePredictor":
@@ -78,7 +120,8 @@ class RoutePredictor(nn.Module):
                              "`specfit train-router`") from e
         if config.get("format") != FORMAT:
             raise ValueError(f"{folder / CONFIG}: field 'format' is {config.get('format')!r}, expected {FORMAT!r}")
-        head = cls(config["num_layers"], config["num_experts"], config["hidden_size"], config["top_k"])
+        rule = {k: config[k] for k in ("scoring", "n_group", "topk_group", "group_score") if k in config}
+        head = cls(config["num_layers"], config["num_experts"], config["hidden_size"], config["top_k"], **rule)
         try:
             tensors = load_file(folder / FILE)
         except FileNotFoundError:
@@ -89,17 +132,20 @@ class RoutePredictor(nn.Module):
         for name in ("weight", "bias"):
             if name not in tensors:
                 raise ValueError(f"{folder / FILE}: no tensor {name!r} (it holds {sorted(tensors)})")
+        tensors.setdefault("correction", torch.zeros_like(head.correction))  # saved before routers had one
+        for name in ("weight", "bias", "correction"):
             want = tuple(getattr(head, name).shape)
             if tuple(tensors[name].shape) != want:
                 raise ValueError(f"{folder / FILE}: {name} has shape {tuple(tensors[name].shape)}, expected {want}")
         head.load_state_dict(tensors)
         if model is not None:
             layers = seam.moe_layers(model)
-            want = (len(layers), layers[0].gate.weight.shape[0], layers[0].gate.weight.shape[1])
+            weight = seam.router_weight(layers[0].gate)
+            want = (len(layers), weight.shape[0], weight.shape[1])
             if (head.num_layers, head.num_experts, head.hidden_size) != want:
                 raise ValueError(f"route predictor in {folder} is for (layers, experts, hidden) = "
                                  f"{(head.num_layers, head.num_experts, head.hidden_size)}, the model has {want}")
-            head.to(layers[0].gate.weight.device)
+            head.to(weight.device)
         return head
 
 

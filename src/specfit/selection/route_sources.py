@@ -44,8 +44,9 @@ def oracle_routes(cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray
     n = len(tree) + 1
     layout = verify_layout(tree, range(len(tree)), cycle.root, cycle.base, seam.kv_capacity(cache, n),
                            seam.compute_dtype(model), model.specfit.device)
+    masks = seam.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
     with model.specfit.measurement() as recorder, torch.no_grad():
-        model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=layout.mask,
+        model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=masks,
               use_cache=True, logits_to_keep=1)
     seam.crop_kv(cache, cycle.base)
     routes = recorder.last.numpy()  # [n, L, E]
