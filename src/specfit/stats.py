@@ -3,12 +3,18 @@
 ``Counters`` holds raw, additive counts; rates are derived properties, computed when read. ``Stats`` keeps
 ``total`` (since the last ``reset()``), ``last_forward``, and for the last ``generate()`` call ``last_prefill``
 (the prompt's forward) and ``last_generate`` (everything after it: the decode phase the tables report).
+
+Copies are counted where they were issued: a forward's demand copies (bytes and copy-path time) in that forward's
+counters, read when it ends; prefetch copies (issued between forwards) in ``total``, bytes when issued and time when
+they have landed, at the latest when the ``generate()`` call ends. So ``bytes_copied / copy_busy_seconds`` is the
+bandwidth of the same copies in every scope.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
 
 
 @dataclass
@@ -19,12 +25,18 @@ class Counters:
     hits: int = 0
     misses: int = 0  # = host-to-device copies (loads + streamed)
     streamed: int = 0  # misses copied through scratch because every slot was in use by the same forward
-    bytes_copied: int = 0
-    # CPU: the time compute waited for copies (memcpy, plus the emulated link when one is set); CUDA: copy-engine busy
-    # time of the copies, counted once they have finished (so possibly in a later forward)
-    copy_seconds: float = 0.0
+    bytes_copied: int = 0  # of every host-to-device expert copy counted here (misses and prefetches)
+    # the time the copy path spent on those copies, the same definition on both devices: CUDA, copy-stream event
+    # time of each batch of copies (first copy starting to last landing); CPU, the memcpy time, or with an emulated
+    # link the link's time per copy
+    copy_busy_seconds: float = 0.0
+    # host wall time blocked by copies: CPU, the memcpy and the waits for the emulated link (compute runs on the
+    # host); CUDA, issuing them: microseconds from pinned memory, about the copy time from pageable memory. (On CUDA
+    # compute waits for copies on the device, which no host clock sees: it shows in decode_seconds.)
+    copy_wait_seconds: float = 0.0
+    pageable_copies: int = 0  # CUDA copies from host memory that is not pinned: synchronous, overlapping nothing
     prefetch_copies: int = 0  # copies started ahead of a forward (SpecFit's prefetch during drafting)
-    prefetch_bytes: int = 0
+    prefetch_bytes: int = 0  # their bytes (also in bytes_copied)
     prefetch_wasted: int = 0  # prefetched experts the next forward did not need
     # speculative decoding (generate calls with an assistant)
     cycles: int = 0
@@ -57,6 +69,11 @@ class Counters:
         return self.misses + self.prefetch_copies
 
     @property
+    def copy_bandwidth(self) -> float:
+        """Bytes per second of copy-path time (``bytes_copied / copy_busy_seconds``)."""
+        return self.bytes_copied / self.copy_busy_seconds if self.copy_busy_seconds else 0.0
+
+    @property
     def copies_per_token(self) -> float:
         return self.copies / self.new_tokens if self.new_tokens else 0.0
 
@@ -78,7 +95,7 @@ class Counters:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for name in ("copies", "hit_rate", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle", "seconds_per_cycle",
+        for name in ("copies", "hit_rate", "copy_bandwidth", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle", "seconds_per_cycle",
                      "tokens_per_second"):
             out[name] = getattr(self, name)
         return out
@@ -92,6 +109,9 @@ class Stats:
     last_generate: Counters = field(default_factory=Counters)
     scope: "GenerateScope | None" = field(default=None, repr=False)
     trace: list | None = field(default=None, repr=False)  # set to [] to record one CycleRecord per decoding cycle
+    # set by the runtime on a device with queued work (CUDA): waits for all of it and counts the copies' time; a
+    # generate() scope calls it before it reads the clock or the counters, so no queued work is missed or misplaced
+    settle: Callable[[], None] | None = field(default=None, repr=False)
 
     def reset(self) -> None:
         self.total, self.last_forward = Counters(), Counters()
@@ -104,13 +124,14 @@ class Stats:
     def forward_done(self, counters: Counters) -> None:
         self.last_forward = counters
         self.total += counters
-        if self.scope is not None:
+        if self.scope is not None and self.scope.after_prefill is None:
             self.scope.prefill_done()  # the first forward of a generate() call is its prefill
 
     def __repr__(self) -> str:
         t = self.total
         return (f"Stats(forwards={t.forwards}, demand={t.demand}, hits={t.hits}, misses={t.misses}, "
-                f"bytes_copied={t.bytes_copied}, copy_seconds={t.copy_seconds:.4f}, cycles={t.cycles}, "
+                f"bytes_copied={t.bytes_copied}, copy_busy_seconds={t.copy_busy_seconds:.4f}, "
+                f"pageable_copies={t.pageable_copies}, cycles={t.cycles}, "
                 f"new_tokens={t.new_tokens})")
 
 
@@ -137,9 +158,17 @@ class GenerateScope:
         self.t_prefill = time.perf_counter()
 
     def prefill_done(self) -> None:
+        """The prefill has been issued: wait until it has run (on CUDA), then start the decode clock. Counters are
+        taken at the first call (the prefill's forward); a later call (after the prefill's lm_head) restarts the
+        clock."""
+        self._settle()
         if self.after_prefill is None:
             self.after_prefill = self.stats.total.copy()
-            self.t_prefill = time.perf_counter()
+        self.t_prefill = time.perf_counter()
+
+    def _settle(self) -> None:
+        if self.stats.settle is not None:
+            self.stats.settle()
 
     def timed(self, seconds: float) -> None:
         """Decode-phase work outside the cycles (the first token, the drafter's pass over the prompt)."""
@@ -160,7 +189,9 @@ class GenerateScope:
     def end(self, new_tokens: int, autoregressive: bool = False) -> None:
         """``autoregressive``: plain decoding, one token per forward, timed from the end of the prefill."""
         t = self.stats.total
-        self.prefill_done()
+        if self.after_prefill is None:
+            self.prefill_done()
+        self._settle()
         if autoregressive:
             t.decode_seconds += time.perf_counter() - self.t_prefill
             steps = t.forwards - self.after_prefill.forwards
