@@ -95,8 +95,8 @@ class Counters:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for name in ("copies", "hit_rate", "copy_bandwidth", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle", "seconds_per_cycle",
-                     "tokens_per_second"):
+        for name in ("copies", "hit_rate", "copy_bandwidth", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle",
+                     "seconds_per_cycle", "tokens_per_second"):
             out[name] = getattr(self, name)
         return out
 

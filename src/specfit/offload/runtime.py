@@ -108,5 +108,5 @@ class SpecFitRuntime:
     def __repr__(self) -> str:
         return (f"SpecFitRuntime(moe_layers={len(self.layers)}, experts={self.num_experts}, "
                 f"slots={self.config.cache_slots}, cache_mode={self.config.cache_mode!r}, link={self.link_label!r}, "
-                f"device={self.device}, pinned_bytes={self.store.pinned_bytes}, weight_bytes={self.store.weight_bytes}, "
-                f"pageable_copies={self.stats.total.pageable_copies})")
+                f"device={self.device}, pinned_bytes={self.store.pinned_bytes}, "
+                f"weight_bytes={self.store.weight_bytes}, pageable_copies={self.stats.total.pageable_copies})")
