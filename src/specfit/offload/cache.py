@@ -10,9 +10,10 @@ earlier layers. They are issued together, as one batch on the *demand* copy stre
 expert compute is enqueued: the hit experts' compute (and the compute of each loaded expert as soon as its own copy
 has landed: compute waits per expert, on that expert's event) runs while the remaining misses copy. At decode (one
 token) that compute is microseconds, so a layer's misses are essentially exposed. Prefetch copies (issued between
-forwards, while the drafter runs) go on a second, *prefetch* stream: they overlap drafting and the next forward, and
-a forward's demand copies are never queued behind them (they share the link instead; a demand copy waits for a
-prefetch only when it overwrites the slot that prefetch is still filling, or computes on the expert it brings).
+forwards, while the drafter runs) go on a second, *prefetch* stream: they start once the compute queued before them
+has run (it may still read the slots they overwrite), then overlap drafting and the next forward; a forward's demand
+copies are never queued behind them (they share the link instead; a demand copy waits for a prefetch only when it
+overwrites the slot that prefetch is still filling, and compute only when it reads the expert a prefetch brings).
 
 On a CPU "device" a copy is a memcpy; an optional emulated link (``link.py``) makes each copy cost a set time, one
 copy after the other (one queue for demand and prefetch copies alike).
