@@ -108,7 +108,7 @@ def run_model(name: str, args) -> dict:
                          tokens_per_second=tps, tokens_per_second_runs=[c.tokens_per_second for c in runs],
                          copies_per_token=statistics.median(c.copies_per_token for c in runs),
                          hit_rate=statistics.median(c.hit_rate for c in runs),
-                         copy_wait_share=statistics.median(c.copy_seconds / c.decode_seconds for c in runs)))
+                         copy_wait_share=statistics.median(c.copy_wait_seconds / c.decode_seconds for c in runs)))
     t_all = 1 / rows[0]["tokens_per_second"]  # all slots, no link: this run's own compute per token
     return dict(model=name, preset=preset, layers=L, experts=E, top_k=k, dtype=args.dtype, new_tokens=new_tokens,
                 repeats=args.repeats, compute_ms_per_token=t_token * 1e3, link_ms=link * 1e3,

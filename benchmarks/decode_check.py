@@ -8,10 +8,15 @@ decodes the same number of tokens. SpecFit's selector takes draft-node routes fr
 route source; its extra forward is a measurement device, excluded from the timed decode) and its cycle-time model from
 ``--profile`` (a ``specfit calibrate`` profile); without one SpecFit warns and uses its default cost model.
 
+Each mode starts from empty expert slots, as on a freshly loaded model (nothing resident is inherited from the mode
+before it), then runs one warm-up prompt and the timed prompts. The settings and each mode's row are printed (and
+``--json`` rewritten) as soon as they are known, so a run cut short still leaves figures.
+
 Columns: tok/s over the decode phase (prefill excluded), host-to-device expert copies per output token, slot-cache hit
-rate, draft nodes verified per cycle, tokens committed per cycle (accepted + bonus), mean cycle time, and how many
-prompts gave the same tokens as AR (with random bf16 weights the logits are nearly flat, so a near-tie broken
-differently by a batched kernel can change a token; in fp32 greedy output must match).
+rate, bandwidth of the copies (bytes over copy-path time), draft nodes verified per cycle, tokens committed per cycle
+(accepted + bonus), mean cycle time, and how many prompts gave the same tokens as AR (with random bf16 weights the
+logits are nearly flat, so a near-tie broken differently by a batched kernel can change a token; in fp32 greedy output
+must match). ``--require-pinned`` fails the run (exit 1) if any copy came from pageable host memory.
 """
 
 from __future__ import annotations
@@ -53,7 +58,16 @@ def generate(model, mode: str, prompt: torch.Tensor, new_tokens: int):
     return out[0, prompt.shape[1]:].tolist(), model.specfit.stats.last_generate.copy()
 
 
-def run(args) -> dict:
+def fresh_slots(rt) -> None:
+    """Empty every slot and the emulated link's queue: the state of a freshly loaded model."""
+    rt.engine.drain()
+    rt.clear_cache()
+    if rt.engine.link is not None:
+        rt.engine.link.reset()
+
+
+def run(args, emit=None) -> dict:
+    """Decode with every mode; ``emit(report)`` is called after loading and after each mode (partial reports)."""
     from specfit.stats import Counters
 
     if args.threads:
@@ -66,10 +80,15 @@ def run(args) -> dict:
     warm = torch.randint(3, vocab, (1, args.prompt_len), generator=g).to(rt.device)
     caught: list[str] = []
     results, outputs = {}, {}
+    report = dict(info=_info(args, rt, load_s, caught), results=results)
+    if emit is not None:
+        emit(report)
     for mode in args.modes:
+        fresh_slots(rt)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             generate(model, mode, warm, min(8, args.new_tokens))  # warm-up: kernels, allocator, cost model lookup
+            cold_hits = rt.stats.last_prefill.hits  # 0: the mode started from empty slots
             total = Counters()
             outputs[mode] = []
             for prompt in prompts:
@@ -78,17 +97,24 @@ def run(args) -> dict:
                 total += c
         caught += [f"{mode}: {x.category.__name__}: {x.message}" for x in w]
         same = sum(a == b for a, b in zip(outputs[mode], outputs.get("ar", outputs[mode])))
-        results[mode] = dict(total.as_dict(), same_as_ar=same if "ar" in outputs else None)
+        results[mode] = dict(total.as_dict(), same_as_ar=same if "ar" in outputs else None,
+                             warmup_prefill_hits=cold_hits)
+        report["info"] = _info(args, rt, load_s, caught)
+        if emit is not None:
+            emit(report)
+    return report
+
+
+def _info(args, rt, load_s: float, caught: list[str]) -> dict:
     cost = rt.cost_model
-    info = dict(model=str(args.model), drafter=str(args.drafter), device=_device_label(rt), regime=rt.link_label,
+    return dict(model=str(args.model), drafter=str(args.drafter), device=_device_label(rt), regime=rt.link_label,
                 dtype=args.dtype, slots=args.slots, experts=rt.num_experts, moe_layers=len(rt.layers),
                 cache_mode=args.cache_mode, prompts=args.prompts, prompt_len=args.prompt_len,
                 new_tokens=args.new_tokens, load_seconds=load_s, pinned_bytes=rt.store.pinned_bytes,
-                expert_bytes=rt.store.weight_bytes,
-                cost_model=None if cost is None else dict(beta=cost.beta, intercepts=list(cost.intercepts),
-                                                          source=cost.meta.get("source", args.profile)),
+                expert_bytes=rt.store.weight_bytes, cuda=rt.device.type == "cuda",
+                cost_model=None if not hasattr(cost, "beta") else dict(  # a path until SpecFit first resolves it
+                    beta=cost.beta, intercepts=list(cost.intercepts), source=cost.meta.get("source", args.profile)),
                 warnings=sorted(set(caught)))
-    return dict(info=info, results=results)
 
 
 def _device_label(rt) -> str:
@@ -97,26 +123,67 @@ def _device_label(rt) -> str:
     return "CPU"
 
 
-def print_table(report: dict) -> None:
+NAMES = {"ar": "AR", "eagle3": "EAGLE-3", "specfit": "SpecFit (oracle routes)"}
+
+
+def header_lines(report: dict) -> list[str]:
     i = report["info"]
-    print(f"{i['device']}, {i['regime']}; {i['moe_layers']} MoE layers x {i['experts']} experts, {i['slots']} slots "
-          f"({i['cache_mode']}), {i['dtype']}; {i['prompts']} prompts x {i['new_tokens']} new tokens "
-          f"(random ids, {i['prompt_len']}-token prompts); loaded in {i['load_seconds']:.1f} s, "
-          f"{i['pinned_bytes']:,} of {i['expert_bytes']:,} expert bytes pinned")
+    lines = [f"{i['device']}, {i['regime']}; {i['moe_layers']} MoE layers x {i['experts']} experts, {i['slots']} "
+             f"slots ({i['cache_mode']}), {i['dtype']}; {i['prompts']} prompts x {i['new_tokens']} new tokens "
+             f"(random ids, {i['prompt_len']}-token prompts); loaded in {i['load_seconds']:.1f} s, "
+             f"{i['pinned_bytes']:,} of {i['expert_bytes']:,} expert bytes pinned"]
     if i["cost_model"] is not None:
         c = i["cost_model"]
-        print(f"cost model: beta {c['beta'] * 1e3:.4f} ms/expert, intercepts {c['intercepts'][0] * 1e3:.2f}.."
-              f"{c['intercepts'][-1] * 1e3:.2f} ms ({c['source']})")
-    print("| mode | tok/s | copies / token | hit rate | nodes / cycle | tokens / cycle | cycle ms | = AR |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    names = {"ar": "AR", "eagle3": "EAGLE-3", "specfit": "SpecFit (oracle routes)"}
-    for mode, r in report["results"].items():
-        same = "-" if r["same_as_ar"] is None or mode == "ar" else f"{r['same_as_ar']}/{i['prompts']}"
-        print(f"| {names.get(mode, mode)} | {r['tokens_per_second']:.2f} | {r['copies_per_token']:.1f} | "
-              f"{r['hit_rate']:.2f} | {r['nodes_per_cycle']:.2f} | {r['tokens_per_cycle']:.2f} | "
-              f"{r['seconds_per_cycle'] * 1e3:.1f} | {same} |")
-    for line in i["warnings"]:
+        lines.append(f"cost model: beta {c['beta'] * 1e3:.4f} ms/expert, intercepts {c['intercepts'][0] * 1e3:.2f}.."
+                     f"{c['intercepts'][-1] * 1e3:.2f} ms ({c['source']})")
+    lines.append("| mode | tok/s | copies / token | hit rate | copy GB/s | nodes / cycle | tokens / cycle | cycle ms "
+                 "| = AR |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    return lines
+
+
+def row_line(report: dict, mode: str) -> str:
+    i, r = report["info"], report["results"][mode]
+    same = "-" if r["same_as_ar"] is None or mode == "ar" else f"{r['same_as_ar']}/{i['prompts']}"
+    return (f"| {NAMES.get(mode, mode)} | {r['tokens_per_second']:.2f} | {r['copies_per_token']:.1f} | "
+            f"{r['hit_rate']:.2f} | {r['copy_bandwidth'] / 1e9:.1f} | {r['nodes_per_cycle']:.2f} | "
+            f"{r['tokens_per_cycle']:.2f} | {r['seconds_per_cycle'] * 1e3:.1f} | {same} |")
+
+
+def print_table(report: dict) -> None:
+    print("\n".join(header_lines(report) + [row_line(report, mode) for mode in report["results"]]))
+    for line in report["info"]["warnings"]:
         print(f"warning: {line}")
+
+
+class Progress:
+    """Prints the header once loaded, then each mode's row as soon as it is done; rewrites ``--json`` each time."""
+
+    def __init__(self, json_path: str | None):
+        self.json_path, self.printed = json_path, 0
+
+    def __call__(self, report: dict) -> None:
+        if self.printed == 0:
+            print("\n".join(header_lines(report)), flush=True)
+        rows = list(report["results"])
+        for mode in rows[max(0, self.printed - 1):]:
+            print(row_line(report, mode), flush=True)
+        self.printed = len(rows) + 1
+        if self.json_path:
+            Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.json_path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def pageable_failure(report: dict) -> str | None:
+    """Why the copies were not all from pinned memory (None if they were)."""
+    i = report["info"]
+    if not i["cuda"]:
+        return "not a CUDA run: host memory is pinned only for CUDA copies"
+    pageable = {m: r["pageable_copies"] for m, r in report["results"].items() if r["pageable_copies"]}
+    if i["pinned_bytes"] < i["expert_bytes"] or pageable:
+        return (f"{i['pinned_bytes']:,} of {i['expert_bytes']:,} expert bytes pinned; copies from pageable memory: "
+                f"{pageable or 0} (synchronous: they overlap nothing)")
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-ms", type=float, default=None, help="emulated host link, ms per expert copy (CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the table and settings here")
+    p.add_argument("--json", default=None, help="write the table and settings here (rewritten after each mode)")
+    p.add_argument("--require-pinned", action="store_true",
+                   help="exit 1 if the experts are not all pinned or any copy came from pageable memory (CUDA)")
     return p
 
 
@@ -145,11 +214,15 @@ def main(argv=None) -> int:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {MODES}")
-    report = run(args)
-    print_table(report)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    report = run(args, emit=Progress(args.json))
+    if report["info"]["cost_model"] is not None:  # known once SpecFit has resolved it
+        print(header_lines(report)[1])
+    for line in report["info"]["warnings"]:
+        print(f"warning: {line}")
+    failure = pageable_failure(report)
+    if args.require_pinned and failure:
+        print(f"FAIL (--require-pinned): {failure}")
+        return 1
     return 0
 
 

@@ -11,23 +11,29 @@
 #
 # Stages, each under its own time limit (and all under TOTAL_BUDGET):
 #   env         package path without network: carried wheels from .whl/ (bash benchmarks/gpu_wheels.sh, run
-#               beforehand where PyPI is reachable) + specfit; versions (transformers >= 5.24), nvidia-smi
-#   pytest      pytest -m cuda tests/test_cuda.py
-#   bandwidth   H2D time of one real-size expert (9,437,184 bytes, bf16) from a cudaHostRegister'd arena (as
-#               ExpertStore pins), from torch.empty(pin_memory=True), and from pageable memory
+#               beforehand where PyPI is reachable) + specfit; versions (transformers >= 5.24), nvidia-smi. If it
+#               fails, only the bandwidth stage (torch alone) still runs
+#   pytest      SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py: FAILS unless tests ran and none skipped
+#   bandwidth   H2D time of one real-size expert (9,437,184 bytes, bf16) from an arena pinned by ExpertStore
+#               (cudaHostRegister; by hand if specfit does not import), from torch.empty(pin_memory=True), and from
+#               pageable memory. Every row is measured, then the stage FAILS unless both pinned rows are page-locked,
+#               reach MIN_H2D_GBPS and hand the host back before the copy lands (issue < half the copy time)
 #   checkpoint  a synthetic checkpoint with the real Qwen3-30B-A3B per-layer shapes but LAYERS of its 48 layers
 #               (the machine's 64 GiB disk cannot hold the full 61 GB one), random weights, + a random EAGLE-3
 #               drafter; written under WORK on local disk and deleted at the end (KEEP=1 keeps it)
 #   calibrate   specfit calibrate with SLOTS slots, cache modes cached and cleared: beta per expert (the paper,
 #               A100 over PCIe 4.0: 0.211 ms cached, 0.408 ms cleared)
-#   decode      benchmarks/decode_check.py: AR, EAGLE-3 and SpecFit (oracle routes, the cached profile)
+#   decode      benchmarks/decode_check.py: AR, EAGLE-3 and SpecFit (oracle routes, the cached profile), each from
+#               empty slots; --require-pinned: FAILS if any expert copy came from pageable memory
+# Stages print figures as soon as they have them (decode: a row per mode; RESULT lines), so a run cut short by its
+# time limit still yields numbers.
 #
 # Environment: LAYERS (12), SLOTS (48), WORK (/tmp/specfit-gpu-check), TOTAL_BUDGET seconds (470), PYTHON (python3),
 # KEEP (0), CAL_ARGS (extra calibrate arguments: "--max-new-tokens 48", enough for the 40 probes from one prompt),
-# DECODE_PROMPTS (2), DECODE_TOKENS (24). To exercise the plumbing on a CPU machine (one thread: several threads on
+# DECODE_PROMPTS (2), DECODE_TOKENS (24), MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over
+# PCIe 4.0 reached 23.1 GB/s). To exercise the plumbing on a CPU machine (one thread: several threads on
 # a busy 2-core machine made tiny decodes ~70x slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12
-# DECODE_PROMPTS=1 DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --stages env,checkpoint,calibrate,decode DIR For a dry run of the plumbing on a CPU machine: ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12
-# --stages env,checkpoint,calibrate,decode.
+# DECODE_PROMPTS=1 DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --stages env,checkpoint,calibrate,decode DIR
 set -uo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
@@ -66,6 +72,7 @@ KEEP=${KEEP:-0}
 CAL_ARGS=${CAL_ARGS---max-new-tokens 48}
 DECODE_PROMPTS=${DECODE_PROMPTS:-2}
 DECODE_TOKENS=${DECODE_TOKENS:-24}
+export MIN_H2D_GBPS=${MIN_H2D_GBPS:-20}
 SITE="$WORK/site"
 declare -A BUDGET=([env]=45 [pytest]=80 [bandwidth]=30 [checkpoint]=90 [calibrate]=70 [decode]=85)
 RESERVE=10  # seconds kept for cleanup and the summary
@@ -160,53 +167,91 @@ EOF
 }
 
 read -r -d '' BANDWIDTH_PY <<'EOF'
-import statistics, time, torch
+import os, statistics, sys, time, warnings
+import torch
 E_BYTES = 3 * 768 * 2048 * 2  # one Qwen3-30B-A3B expert in bf16
 N = 64  # experts per source buffer (576 MiB): copies cycle through its rows
+MIN_GBPS = float(os.environ.get("MIN_H2D_GBPS", "20"))
+if not torch.cuda.is_available():
+    sys.exit("RESULT bandwidth expectation: FAIL: torch.cuda.is_available() is False: nothing to measure")
 dst = torch.empty(8, E_BYTES // 2, dtype=torch.bfloat16, device="cuda")
 stream = torch.cuda.Stream()
-cudart = torch.cuda.cudart()
+keep = []  # ExpertStores to release at the end
 
 def source(kind):
-    t = torch.empty(N, E_BYTES // 2, dtype=torch.bfloat16, pin_memory=(kind == "pin_memory"))
-    t.fill_(1.0)
-    if kind == "registered":  # as ExpertStore pins its arenas: exact size, in place
-        err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-        assert err == 0, f"cudaHostRegister failed with cudaError {err}"
-    return t
+    """(host buffer of N experts, note): pinned as ExpertStore pins ("registered"), by torch's pinned allocator
+    ("pin_memory"), or not at all ("pageable")."""
+    if kind == "registered":
+        try:
+            sys.path.insert(0, "src")
+            from specfit.offload.store import ExpertStore
+        except Exception as e:  # the env stage failed: pin as ExpertStore does, by hand
+            t = torch.empty(N, E_BYTES // 2, dtype=torch.bfloat16).fill_(1.0)
+            err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+            return t, f"raw cudaHostRegister, cudaError {err} (specfit does not import: {type(e).__name__})"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            store = ExpertStore(1, N, 2048, 768, torch.bfloat16, pin=True)  # the real pinning path
+        keep.append(store)
+        note = f"ExpertStore, pinned_bytes {store.pinned_bytes:,}" + "".join(f"; {w.message}" for w in caught)
+        return store.arenas[0].fill_(1.0), note
+    t = torch.empty(N, E_BYTES // 2, dtype=torch.bfloat16, pin_memory=(kind == "pin_memory")).fill_(1.0)
+    return t, ""
 
 def bench(src, batch, reps=40):
-    """Median ms per expert: CUDA-event time on the copy stream, and wall time from issue to landed."""
-    ev, wall = [], []
+    """Median ms per expert: CUDA-event time on the copy stream, host time to issue, wall time until landed."""
+    ev, issue, wall = [], [], []
     for r in range(reps + 5):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
+            t_issue = time.perf_counter()
             for j in range(batch):
                 dst[j].copy_(src[(r * batch + j) % N], non_blocking=True)
+            t1 = time.perf_counter()
             b.record()
         b.synchronize()
         if r >= 5:
             ev.append(a.elapsed_time(b) / batch)
+            issue.append((t1 - t_issue) * 1e3 / batch)
             wall.append((time.perf_counter() - t0) * 1e3 / batch)
-    return statistics.median(ev), statistics.median(wall)
+    return statistics.median(ev), statistics.median(issue), statistics.median(wall)
 
 print(f"one expert = {E_BYTES:,} bytes; medians of 40 timed copies (after 5 warm-ups), copy stream, non_blocking")
-print("| source | is_pinned | 1 copy: ms (GB/s) | 1 copy wall ms | 8 back-to-back: ms/expert (GB/s) |")
-print("| --- | --- | --- | --- | --- |")
+print("| source | is_pinned | 1 copy: ms (GB/s) | 1 copy: host issue ms | 1 copy wall ms | 8 back-to-back: ms/expert "
+      "(GB/s) |")
+print("| --- | --- | --- | --- | --- | --- |")
+failures = []
 for kind in ("registered", "pin_memory", "pageable"):
-    src = source(kind)
-    (e1, w1), (e8, w8) = bench(src, 1), bench(src, 8)
-    print(f"| {kind} | {src.is_pinned()} | {e1:.3f} ({E_BYTES / e1 / 1e6:.1f}) | {w1:.3f} | "
-          f"{e8:.3f} ({E_BYTES / e8 / 1e6:.1f}) |")
-    print(f"RESULT h2d {kind}: {e1:.3f} ms per expert = {E_BYTES / e1 / 1e6:.1f} GB/s "
-          f"(8 back-to-back: {E_BYTES / e8 / 1e6:.1f} GB/s; wall {w1:.3f} ms)")
-    if kind == "registered":
-        cudart.cudaHostUnregister(src.data_ptr())
+    try:
+        src, note = source(kind)
+        (e1, i1, w1), (e8, _, _) = bench(src, 1), bench(src, 8)
+    except Exception as e:  # one row failing must not hide the others
+        print(f"| {kind} | ? | error: {type(e).__name__}: {e} | | | |", flush=True)
+        failures.append(f"{kind}: {type(e).__name__}: {e}")
+        continue
+    gbps = E_BYTES / e1 / 1e6
+    print(f"| {kind} | {src.is_pinned()} | {e1:.3f} ({gbps:.1f}) | {i1:.3f} | {w1:.3f} | "
+          f"{e8:.3f} ({E_BYTES / e8 / 1e6:.1f}) |", flush=True)
+    print(f"RESULT h2d {kind}: {e1:.3f} ms per expert = {gbps:.1f} GB/s (8 back-to-back: {E_BYTES / e8 / 1e6:.1f} "
+          f"GB/s; host issue {i1:.3f} ms, wall {w1:.3f} ms){' [' + note + ']' if note else ''}", flush=True)
+    if kind != "pageable":
+        if not src.is_pinned():
+            failures.append(f"{kind}: not page-locked ({note or 'is_pinned() is False'})")
+        if gbps < MIN_GBPS:
+            failures.append(f"{kind}: {gbps:.1f} GB/s, below MIN_H2D_GBPS={MIN_GBPS:g}")
+        if i1 >= 0.5 * e1:
+            failures.append(f"{kind}: the host took {i1:.3f} ms to issue a {e1:.3f} ms copy: not asynchronous")
     del src
+for store in keep:
+    store.release()
 print("for scale: the paper's cleared-cache beta, 0.408 ms per expert on an A100 over PCIe 4.0, is 23.1 GB/s")
+if failures:
+    print("RESULT bandwidth expectation: FAIL: " + "; ".join(failures))
+    sys.exit(1)
+print(f"RESULT bandwidth expectation: pass (pinned rows page-locked, >= {MIN_GBPS:g} GB/s, asynchronous)")
 EOF
 
 stage_checkpoint() {
@@ -218,8 +263,9 @@ stage_checkpoint() {
         echo "FAIL: not enough disk at $WORK (set LAYERS lower)"
         return 1
     fi
-    "$PY" benchmarks/synthetic_checkpoint.py "$WORK/ckpt" --preset "$PRESET" --layers "$LAYERS" \
-        --drafter-out "$WORK/drafter" --workers "$(nproc)" || return 1
+    # one OpenMP thread per generator thread: nproc generators x nproc OpenMP threads would oversubscribe the cores
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" benchmarks/synthetic_checkpoint.py "$WORK/ckpt" --preset "$PRESET" \
+        --layers "$LAYERS" --drafter-out "$WORK/drafter" --workers "$(nproc)" || return 1
     echo "RESULT checkpoint: $(du -sb "$WORK/ckpt" | cut -f1) bytes, preset $PRESET, $LAYERS layers"
 }
 
@@ -236,6 +282,7 @@ decode_cmd() {  # -> CMD
     if [ -f "$OUTDIR/profile-cached.json" ] || [ "$DRY" = 1 ]; then CMD+=(--profile "$OUTDIR/profile-cached.json"); fi
     CMD+=(--prompts "$DECODE_PROMPTS" --prompt-len 32 --new-tokens "$DECODE_TOKENS" --dtype bfloat16
           --json "$OUTDIR/decode.json")
+    if [ "${ALLOW_CPU:-0}" != 1 ]; then CMD+=(--require-pinned); fi
 }
 
 print_beta() {  # mode paper_ms
@@ -248,16 +295,31 @@ print(f"RESULT beta {sys.argv[2]}: {beta:.4f} ms per expert of demand, R^2 {r2:.
 EOF
 }
 
-print_decode() {
+print_decode() {  # from decode.json, which decode_check rewrites after each mode: partial after a timeout
+    [ -f "$OUTDIR/decode.json" ] || return 0
     "$PY" - "$OUTDIR/decode.json" <<'EOF'
 import json, sys
 names = {"ar": "AR", "eagle3": "EAGLE-3", "specfit": "SpecFit"}
 for mode, x in json.load(open(sys.argv[1]))["results"].items():
     tps, cpt, npc = x["tokens_per_second"], x["copies_per_token"], x["nodes_per_cycle"]
-    tpc, ms = x["tokens_per_cycle"], x["seconds_per_cycle"] * 1e3
+    tpc, ms, gbps = x["tokens_per_cycle"], x["seconds_per_cycle"] * 1e3, x.get("copy_bandwidth", 0) / 1e9
     print(f"RESULT decode {names.get(mode, mode)}: {tps:.2f} tok/s, {cpt:.1f} copies/token, {npc:.2f} nodes/cycle, "
-          f"{tpc:.2f} tokens/cycle, {ms:.1f} ms/cycle")
+          f"{tpc:.2f} tokens/cycle, {ms:.1f} ms/cycle, copies at {gbps:.1f} GB/s, "
+          f"{x.get('pageable_copies', '?')} pageable copies")
 EOF
+}
+
+stage_pytest() {  # fails unless CUDA tests ran and none was skipped (an all-skipped run would otherwise pass)
+    local out="$TMPD/pytest-raw.txt" rc summary
+    SPECFIT_REQUIRE_CUDA=1 "$PY" -m pytest -m cuda tests/test_cuda.py -q -rs -p no:cacheprovider 2>&1 | tee "$out"
+    rc=${PIPESTATUS[0]}
+    summary=$(grep -E '^=* *[0-9]+ (passed|failed|skipped|errors?|deselected)' "$out" | tail -n 1)
+    echo "RESULT pytest: ${summary:-no summary line}"
+    [ "$rc" -eq 0 ] || return "$rc"
+    if grep -Eq '[0-9]+ skipped' <<<"$summary" || ! grep -Eq '(^|[^0-9])[1-9][0-9]* passed' <<<"$summary"; then
+        echo "FAIL: the CUDA tests did not all run (${summary:-no summary}): a GPU check must not pass on skips"
+        return 1
+    fi
 }
 
 cleanup() {
@@ -274,7 +336,7 @@ main() {
             wanted "$s" || [ "$s" = env ] || continue
             case $s in
                 env) echo "  env ${BUDGET[env]}: install .whl/*.whl into $SITE/deps, build specfit into $SITE/pkg, versions, nvidia-smi" ;;
-                pytest) echo "  pytest ${BUDGET[pytest]}: $PY -m pytest -m cuda tests/test_cuda.py" ;;
+                pytest) echo "  pytest ${BUDGET[pytest]}: SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py, no skips" ;;
                 bandwidth) echo "  bandwidth ${BUDGET[bandwidth]}: H2D of one 9,437,184-byte expert: registered / pin_memory / pageable" ;;
                 checkpoint) echo "  checkpoint ${BUDGET[checkpoint]}: benchmarks/synthetic_checkpoint.py $WORK/ckpt --preset $PRESET --layers $LAYERS --drafter-out $WORK/drafter" ;;
                 calibrate) for m in cached cleared; do calibrate_cmd $m; echo "  calibrate-$m ${BUDGET[calibrate]}: ${CMD[*]}"; done ;;
@@ -289,13 +351,15 @@ main() {
         export PYTHONPATH="$SITE/pkg:$SITE/deps${PYTHONPATH:+:$PYTHONPATH}"  # the pipe ran stage_env in a subshell
     else
         record env FAIL $(($(date +%s) - START))
-        echo "the environment is not usable: no further stage runs"
+        echo "the environment is not usable: only the bandwidth stage (torch alone) still runs"
+        if wanted bandwidth; then run_stage bandwidth "${BUDGET[bandwidth]}" "$PY" "$TMPD/bandwidth.py"; fi
         return 1
     fi
     if wanted pytest; then
-        run_stage pytest "${BUDGET[pytest]}" "$PY" -m pytest -m cuda tests/test_cuda.py -q -rs -p no:cacheprovider
+        export -f stage_pytest && export PY TMPD
+        run_stage pytest "${BUDGET[pytest]}" bash -c stage_pytest
     fi
-    if wanted bandwidth; then run_stage bandwidth "${BUDGET[bandwidth]}" "$PY" -c "$BANDWIDTH_PY"; fi
+    if wanted bandwidth; then run_stage bandwidth "${BUDGET[bandwidth]}" "$PY" "$TMPD/bandwidth.py"; fi
     local have_ckpt=0
     if wanted checkpoint; then
         export -f stage_checkpoint && export PY LAYERS WORK PRESET
@@ -304,8 +368,8 @@ main() {
     if wanted calibrate; then
         for mode in cached cleared; do
             if [ $have_ckpt = 1 ]; then
-                calibrate_cmd "$mode"
-                run_stage "calibrate-$mode" "${BUDGET[calibrate]}" "${CMD[@]}" \
+                calibrate_cmd "$mode"  # tqdm progress every 10 s, the load line at once
+                run_stage "calibrate-$mode" "${BUDGET[calibrate]}" env -u TQDM_DISABLE TQDM_MININTERVAL=10 "${CMD[@]}" \
                     && print_beta "$mode" "$([ "$mode" = cached ] && echo 0.211 || echo 0.408)" | tee -a "$TMPD/summary.out"
             else
                 record "calibrate-$mode" "SKIPPED (no checkpoint)" 0
@@ -316,7 +380,8 @@ main() {
         if [ $have_ckpt = 1 ]; then
             [ -f "$OUTDIR/profile-cached.json" ] || echo "note: no cached profile: SpecFit uses its default cost model"
             decode_cmd
-            run_stage decode "${BUDGET[decode]}" "${CMD[@]}" && print_decode | tee -a "$TMPD/summary.out"
+            run_stage decode "${BUDGET[decode]}" "${CMD[@]}"
+            print_decode | tee -a "$TMPD/summary.out"  # the modes done so far, even after a timeout
         else
             record decode "SKIPPED (no checkpoint)" 0
         fi
@@ -339,6 +404,7 @@ summary() {
 }
 
 TMPD=$(mktemp -d)
+printf '%s\n' "$BANDWIDTH_PY" >"$TMPD/bandwidth.py"
 START=$(date +%s)
 DEADLINE=$((START + TOTAL_BUDGET))
 trap cleanup EXIT

@@ -130,6 +130,18 @@ def test_decode_check_on_cpu(tiny_ckpt, tmp_path, capsys):
     assert r["eagle3"]["same_as_ar"] == r["specfit"]["same_as_ar"] == 2  # fp32 greedy: lossless
     assert r["eagle3"]["nodes_per_cycle"] == 7 and r["ar"]["tokens_per_cycle"] == 1
     assert report["info"]["cost_model"]["beta"] == 1e-4 and not report["info"]["warnings"]
+    assert all(x["warmup_prefill_hits"] == 0 for x in r.values())  # every mode starts from empty slots
+    assert all(x["copy_bandwidth"] > 0 and x["pageable_copies"] == 0 for x in r.values())
+    assert table.index("| mode |") < table.index("| AR |") < table.index("| EAGLE-3 |")  # rows printed as they come
+    assert "copy GB/s" in table and "expert bytes pinned" in table.splitlines()[0]
+
+
+def test_decode_check_require_pinned_fails_where_copies_are_not_pinned(tiny_ckpt, capsys):
+    root, _ = tiny_ckpt
+    rc = decode_check.main(["--model", str(root / "ckpt"), "--drafter", str(root / "drafter"), "--slots", "12",
+                            "--dtype", "float32", "--device", "cpu", "--threads", "1", "--modes", "ar",
+                            "--prompts", "1", "--prompt-len", "4", "--new-tokens", "2", "--require-pinned"])
+    assert rc == 1 and "FAIL (--require-pinned)" in capsys.readouterr().out
 
 
 GPU_CHECK = ["bash", str(BENCHMARKS / "gpu_check.sh")]

@@ -1,11 +1,21 @@
 """The CUDA paths: pinned arenas, the device slot cache, the copy stream, tree decoding and the loader on a GPU.
 
 Every test is marked ``cuda`` and skips on a machine without one; ``benchmarks/gpu_check.sh`` runs them on the
-device machine (``pytest -m cuda tests/test_cuda.py``).
+device machine (``pytest -m cuda tests/test_cuda.py``) with ``SPECFIT_REQUIRE_CUDA=1``, which turns the skip into an
+error: a GPU check must not pass with every test skipped.
+
+Exact-token asserts use prompts whose greedy trajectory has a clear margin (top-1 over top-2 score, and every
+router's k-th over (k+1)-th probability, measured on the CPU reference): a near-tie could be broken differently by
+kernels of another batch shape, which is not a SpecFit error.
 """
 
+import functools
+import gc
 import itertools
+import os
+import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_moe, tiny_moe_config
@@ -15,9 +25,13 @@ import specfit
 from specfit.selection.cost_model import CostModel
 from specfit.patch import configure
 from specfit.drafting.drafter import Eagle3Config, Eagle3Drafter
-from specfit.offload.cache import CopyEngine
+from specfit.offload.cache import CopyEngine, LayerCache
+from specfit.offload.experts import LayerRuntime
 from specfit.offload.store import ExpertStore
 from specfit.stats import Counters
+
+if os.environ.get("SPECFIT_REQUIRE_CUDA") == "1" and not torch.cuda.is_available():
+    raise RuntimeError("SPECFIT_REQUIRE_CUDA=1 but torch.cuda.is_available() is False: the CUDA tests cannot run")
 
 pytestmark = [
     pytest.mark.cuda,
@@ -39,6 +53,31 @@ def cuda_model(seed=0):
 def cuda_logits(model, ids):
     with torch.no_grad():
         return model(ids.cuda()).logits
+
+
+def margin(model, ids, new_tokens):
+    """The smallest top-1 over top-2 greedy score gap along ``new_tokens`` steps from ``ids``, and the smallest gap
+    between any router's k-th and (k+1)-th probability over the whole sequence (CPU reference, fp32)."""
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        token_gap = min(float(g[0] - g[1]) for g in (s[0].topk(2).values for s in out.scores))
+        router = model(out.sequences, output_router_logits=True).router_logits
+    k = model.config.num_experts_per_tok
+    top = torch.stack([torch.softmax(r.float(), -1).topk(k + 1, dim=-1).values for r in router])  # [L, T, k+1]
+    return token_gap, float((top[..., k - 1] - top[..., k]).min())
+
+
+@functools.lru_cache(maxsize=None)
+def clear_prompt(length, new_tokens, seed=0, first=0):
+    """A prompt of ``length`` random ids whose greedy trajectory has clear margins (see ``margin``)."""
+    model = tiny_moe(seed)
+    for s in range(first, first + 200):
+        ids = torch.randint(2, 256, (1, length), generator=torch.Generator().manual_seed(s))
+        token_gap, router_gap = margin(model, ids, new_tokens)
+        if token_gap > 1e-2 and router_gap > 1e-4:
+            return ids
+    raise AssertionError(f"no prompt of length {length} with clear margins among 200 seeds")
 
 
 def host_allocator_bytes():
@@ -90,11 +129,20 @@ def test_enable_pins_the_experts_of_a_cuda_model():
 
 
 # --- the slot cache on the device ---------------------------------------------------------------------------------
+def router_gap(model, ids):
+    with torch.no_grad():
+        router = model(ids, output_router_logits=True).router_logits
+    top = torch.stack([torch.softmax(r.float(), -1).topk(K + 1, dim=-1).values for r in router])
+    return float((top[..., K - 1] - top[..., K]).min())
+
+
 @pytest.mark.parametrize("slots", [1, 3, K, E])
 def test_logits_equal_reference_at_every_slot_count(slots):
-    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(slots))
+    cpu_model = tiny_moe()
+    ids = next(ids for ids in (torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(slots + 100 * s))
+                               for s in range(200)) if router_gap(cpu_model, ids) > 1e-4)  # no router near-tie
     with torch.no_grad():
-        cpu_ref = tiny_moe()(ids).logits
+        cpu_ref = cpu_model(ids).logits
     model = cuda_model()
     cuda_ref = cuda_logits(model, ids)
     specfit.enable(model, cache_slots=slots)
@@ -111,11 +159,11 @@ def test_logits_equal_reference_at_every_slot_count(slots):
 
 def test_decode_steps_match_with_small_cache():
     """One token at a time (the decode regime) through 2 slots, against the unpatched model on the GPU."""
-    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(7)).cuda()
+    ids = clear_prompt(12, 16).cuda()
     reference = cuda_model()
-    expected = reference.generate(ids, max_new_tokens=16, do_sample=False)
+    expected = reference.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     model = specfit.enable(cuda_model(), cache_slots=2)
-    assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False), expected)
+    assert torch.equal(model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False), expected)
     g = model.specfit.stats.last_generate
     assert g.new_tokens == 16 and g.misses > 0 and g.bytes_copied == g.misses * model.specfit.store.expert_bytes
 
@@ -124,14 +172,15 @@ def test_decode_steps_match_with_small_cache():
 def test_copy_runs_on_the_copy_stream_while_compute_is_busy():
     device = torch.device("cuda")
     engine = CopyEngine(device)
-    assert engine.stream is not None and engine.stream != torch.cuda.current_stream(device)
+    assert engine.demand_stream != torch.cuda.current_stream(device) != engine.prefetch_stream
+    assert engine.demand_stream != engine.prefetch_stream
     store = ExpertStore(1, 4, 2048, 768, torch.bfloat16, pin=True)  # 4 real-size experts, pinned
     store.arenas[0].normal_()
     dst = torch.empty(store.expert_numel, dtype=torch.bfloat16, device=device)
     counters = Counters()
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)  # compute queued on the compute stream
-    ticket = engine.copy(dst, store.arenas[0][2], counters)
+    ticket, = engine.copy_batch([(dst, store.arenas[0][2])], counters)
     ticket.synchronize()  # the copy has landed ...
     busy = not torch.cuda.current_stream(device).query()  # ... while the compute stream still runs
     engine.wait(ticket, counters)
@@ -152,12 +201,12 @@ def test_overwrite_waits_for_queued_compute():
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     engine.before_overwrite()
-    ticket = engine.copy(dst, store.arenas[0][0], Counters())
+    ticket, = engine.copy_batch([(dst, store.arenas[0][0])], Counters())
     assert not ticket.query()  # still waiting for the compute queued before it
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     done = engine.mark_compute()
-    ticket = engine.copy(dst, store.arenas[0][1], Counters(), after=done)
+    ticket, = engine.copy_batch([(dst, store.arenas[0][1])], Counters(), after=(done,))
     assert not ticket.query()
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), store.arenas[0][1])
@@ -182,11 +231,117 @@ def test_forward_copies_every_miss_on_the_copy_stream_from_pinned_memory(monkeyp
     monkeypatch.undo()
     c = rt.stats.total
     assert c.streamed > 0 and len(seen) == c.misses > 0
-    assert {s for s, _, _ in seen} == {rt.engine.stream.cuda_stream}
+    assert {s for s, _, _ in seen} == {rt.engine.demand_stream.cuda_stream}
     assert all(pinned and non_blocking for _, pinned, non_blocking in seen)
+    assert c.copy_busy_seconds > 0 and c.pageable_copies == 0  # timed by the forwards themselves, no sync here
+
+
+def test_one_host_sync_per_moe_layer(monkeypatch):
+    """The routes' transfer to the host is the only sync of the experts function (a CUDA bincount would add two)."""
+    model = specfit.enable(cuda_model(), cache_slots=3)
+    original, syncs = LayerRuntime.forward, []
+
+    def counted(self, *args):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = original(self, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        return out
+
+    monkeypatch.setattr(LayerRuntime, "forward", counted)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    cuda_logits(model, ids)  # loads and streamed experts
+    cuda_logits(model, ids[:, :1])
+    assert syncs == [1] * (2 * len(model.specfit.layers))
+
+
+def test_demand_misses_do_not_wait_for_queued_prefetches():
+    """Prefetches for every layer are queued behind a stalled prefetch stream; a forward whose experts are all
+    misses (none of them prefetched) must still complete."""
+    model = specfit.enable(cuda_model(), cache_slots=8)
+    rt = model.specfit
+    ids = torch.randint(0, 256, (1, 1), generator=torch.Generator().manual_seed(3))
+    expected = cuda_logits(model, ids)
+    needed = rt.routes.last[0].numpy()  # [layers, E] this token's experts
+    rt.clear_cache()
+    unneeded = ~needed & (np.cumsum(~needed, axis=1) <= 4)  # 4 other experts per layer
     torch.cuda.synchronize()
-    rt.engine.harvest(c)
-    assert c.copy_seconds > 0  # copy-engine time of the finished copies, from their events
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    blocker = torch.cuda.Event()
+    blocker.record(side)
+    rt.engine.prefetch_stream.wait_event(blocker)  # the prefetch stream is stalled for ~0.5 s
+    rt.prefetch(unneeded)
+    out = cuda_logits(model, ids)
+    torch.cuda.current_stream().synchronize()  # the forward is done ...
+    stalled = not rt.engine.prefetch_stream.query()  # ... while the prefetches are still queued
+    torch.cuda.synchronize()
+    assert stalled, "the forward finished only after the stalled prefetch stream: its demand copies waited for it"
+    assert rt.stats.last_forward.misses == int(needed.sum())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_copy_time_is_counted_in_the_forward_that_made_the_copies():
+    model = specfit.enable(cuda_model(), cache_slots=E)
+    rt = model.specfit
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(5)).cuda()
+    with torch.no_grad():
+        model(ids)  # cold: every expert is a miss
+    c = rt.stats.last_forward
+    assert c.misses > 0 and c.copy_busy_seconds > 0 and c.bytes_copied == c.misses * rt.store.expert_bytes
+    assert not rt.engine._timings  # nothing left to count later
+    first = rt.stats.total.copy_busy_seconds
+    with torch.no_grad():
+        model(ids)  # warm: all hits
+    assert rt.stats.last_forward.misses == 0 and rt.stats.last_forward.copy_busy_seconds == 0
+    assert rt.stats.total.copy_busy_seconds == first
+
+
+def test_pageable_arenas_are_counted_on_every_copy():
+    model = specfit.enable(cuda_model(), cache_slots=3, pin=False)
+    cuda_logits(model, torch.randint(0, 256, (1, 6)))
+    c = model.specfit.stats.last_forward
+    assert not model.specfit.store.is_pinned and c.pageable_copies == c.misses > 0
+
+
+# --- teardown -----------------------------------------------------------------------------------------------------
+def queued_prefetch(store, slots=4):
+    """A layer cache whose prefetch copies are queued behind ~0.5 s of compute (they wait for it to overwrite)."""
+    engine = CopyEngine(torch.device("cuda"))
+    cache = LayerCache(store, 0, slots, engine)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    cache.prefetch(list(range(slots)), Counters())
+    assert not engine.prefetch_stream.query()
+    return cache, engine
+
+
+def test_slots_freed_mid_copy_are_not_reused_before_the_copy_lands():
+    store = ExpertStore(1, 8, 256, 128, torch.float32, pin=True)
+    cache, engine = queued_prefetch(store)
+    ptr, shape = cache.slots.data_ptr(), tuple(cache.slots.shape)
+    del cache
+    gc.collect()  # the slots are freed while copies into them are queued
+    fresh = torch.empty(shape, device="cuda")  # same size, same stream: the freed block, were it not held
+    reused = fresh.data_ptr() == ptr
+    torch.cuda.synchronize()
+    assert not reused, "the freed slots' memory was handed out while a copy into it was still queued"
+    store.release()
+
+
+def test_release_waits_for_copies_still_reading_the_arenas():
+    store = ExpertStore(1, 8, 256, 128, torch.float32, pin=True)
+    store.arenas[0].normal_()
+    expected = store.arenas[0][:4].clone()
+    cache, engine = queued_prefetch(store)
+    store.release()  # unpins the arenas: only after the queued copies have read them
+    assert engine.prefetch_stream.query()
+    assert torch.equal(cache.slots.cpu(), expected)
 
 
 # --- tree decoding ------------------------------------------------------------------------------------------------
@@ -200,24 +355,24 @@ def test_greedy_tree_decoding_equals_plain_generate(assistant):
     reference = cuda_model()
     model = specfit.enable(cuda_model(), cache_slots=4, drafter=random_drafter(), cost_model=FREE_NODES)
     assert next(model.specfit.drafter.parameters()).is_cuda
-    prompts = [torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(n)).cuda() for n in (5, 21)]
+    prompts = [clear_prompt(n, 20).cuda() for n in (5, 21)]
     shapes = [dict(topk=2, depth=5, pool_nodes=18, max_nodes=7), dict(topk=3, depth=3, pool_nodes=12, max_nodes=5)]
     for prompt, shape in itertools.product(prompts, shapes):
         configure(model, **shape)
-        expected = reference.generate(prompt, max_new_tokens=20, do_sample=False)
-        out = model.generate(prompt, max_new_tokens=20, do_sample=False, assistant=assistant)
+        expected = reference.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        out = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, assistant=assistant)
         assert torch.equal(out, expected), f"prompt of {prompt.shape[1]}, tree {shape}"
         g = model.specfit.stats.last_generate
         assert g.new_tokens == 20 and g.cycles > 0 and 0 < g.nodes_per_cycle <= shape["max_nodes"]
-    assert torch.equal(model.generate(prompts[0], max_new_tokens=20, do_sample=False),
-                       reference.generate(prompts[0], max_new_tokens=20, do_sample=False))
+    assert torch.equal(model.generate(prompts[0], max_new_tokens=20, min_new_tokens=20, do_sample=False),
+                       reference.generate(prompts[0], max_new_tokens=20, min_new_tokens=20, do_sample=False))
 
 
 # --- the loader ---------------------------------------------------------------------------------------------------
 def test_loader_streams_a_sharded_checkpoint_onto_cuda(tmp_path):
     tiny_moe(seed=4).save_pretrained(tmp_path, max_shard_size="100KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 5
-    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = clear_prompt(11, 8, seed=4).cuda()
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").cuda().eval()
     model = specfit.from_pretrained(tmp_path, cache_slots=3, dtype=torch.float32, device="cuda")
     rt = model.specfit
@@ -227,8 +382,8 @@ def test_loader_streams_a_sharded_checkpoint_onto_cuda(tmp_path):
     assert rt.store.is_pinned and rt.store.pinned_bytes == rt.store.weight_bytes
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
-    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False),
-                       reference.generate(ids, max_new_tokens=8, do_sample=False))
+    assert torch.equal(model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False),
+                       reference.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False))
     bf16 = specfit.from_pretrained(tmp_path, cache_slots=3, dtype=torch.bfloat16, device="cuda")
     assert bf16.specfit.store.dtype == torch.bfloat16 and bf16.specfit.store.is_pinned
     assert bf16.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, 15)

@@ -8,12 +8,18 @@ Times are wall clock: ``prefill_seconds`` runs from the entry of ``generate()`` 
 ``decode_seconds`` from there to the end of decoding, so together they are what a stopwatch around the call reads.
 Measurement-only work done inside the call (the route oracle's extra forwards) is *included* in them and also shown
 on its own, as ``measurement_seconds``.
+
+Copies are counted where they were issued: a forward's demand copies (bytes and copy-path time) in that forward's
+counters, read when it ends; prefetch copies (issued between forwards) in ``total``, bytes when issued and time when
+they have landed, at the latest when the ``generate()`` call ends. So ``bytes_copied / copy_busy_seconds`` is the
+bandwidth of the same copies in every scope.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
 
 
 @dataclass
@@ -24,12 +30,18 @@ class Counters:
     hits: int = 0
     misses: int = 0  # = host-to-device copies (loads + streamed)
     streamed: int = 0  # misses copied through scratch because every slot was in use by the same forward
-    bytes_copied: int = 0
-    # CPU: the time compute waited for copies (memcpy, plus the emulated link when one is set); CUDA: copy-engine busy
-    # time of the copies, counted once they have finished (so possibly in a later forward)
-    copy_seconds: float = 0.0
+    bytes_copied: int = 0  # of every host-to-device expert copy counted here (misses and prefetches)
+    # the time the copy path spent on those copies, the same definition on both devices: CUDA, copy-stream event
+    # time of each batch of copies (first copy starting to last landing); CPU, the memcpy time, or with an emulated
+    # link the link's time per copy
+    copy_busy_seconds: float = 0.0
+    # host wall time blocked by copies: CPU, the memcpy and the waits for the emulated link (compute runs on the
+    # host); CUDA, issuing them: microseconds from pinned memory, about the copy time from pageable memory. (On CUDA
+    # compute waits for copies on the device, which no host clock sees: it shows in decode_seconds.)
+    copy_wait_seconds: float = 0.0
+    pageable_copies: int = 0  # CUDA copies from host memory that is not pinned: synchronous, overlapping nothing
     prefetch_copies: int = 0  # copies started ahead of a forward (SpecFit's prefetch during drafting)
-    prefetch_bytes: int = 0
+    prefetch_bytes: int = 0  # their bytes (also in bytes_copied)
     prefetch_wasted: int = 0  # prefetched experts the next forward did not need
     # speculative decoding (generate calls with an assistant)
     cycles: int = 0
@@ -61,6 +73,11 @@ class Counters:
     def copies(self) -> int:
         """Every host-to-device expert copy: misses of forwards plus prefetches."""
         return self.misses + self.prefetch_copies
+
+    @property
+    def copy_bandwidth(self) -> float:
+        """Bytes per second of copy-path time (``bytes_copied / copy_busy_seconds``)."""
+        return self.bytes_copied / self.copy_busy_seconds if self.copy_busy_seconds else 0.0
 
     @property
     def copies_per_token(self) -> float:
@@ -98,8 +115,9 @@ class Counters:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for name in ("copies", "hit_rate", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle", "seconds_per_cycle",
-                     "tokens_per_second", "end_to_end_tokens_per_second", "tokens_per_second_excluding_measurement"):
+        for name in ("copies", "hit_rate", "copy_bandwidth", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle",
+                     "seconds_per_cycle", "tokens_per_second", "end_to_end_tokens_per_second",
+                     "tokens_per_second_excluding_measurement"):
             out[name] = getattr(self, name)
         return out
 
@@ -113,6 +131,9 @@ class Stats:
     scope: "GenerateScope | None" = field(default=None, repr=False)
     trace: list | None = field(default=None, repr=False)  # set to [] to record one CycleRecord per decoding cycle
     call_started: float | None = field(default=None, repr=False)  # perf_counter() at generate()'s entry
+    # set by the runtime on a device with queued work (CUDA): waits for all of it and counts the copies' time; a
+    # generate() scope calls it before it reads the clock or the counters, so no queued work is missed or misplaced
+    settle: Callable[[], None] | None = field(default=None, repr=False)
 
     def reset(self) -> None:
         self.total, self.last_forward = Counters(), Counters()
@@ -130,13 +151,14 @@ class Stats:
     def forward_done(self, counters: Counters) -> None:
         self.last_forward = counters
         self.total += counters
-        if self.scope is not None:
+        if self.scope is not None and self.scope.after_prefill is None:
             self.scope.prefill_done()  # the first forward of a generate() call is its prefill
 
     def __repr__(self) -> str:
         t = self.total
         return (f"Stats(forwards={t.forwards}, demand={t.demand}, hits={t.hits}, misses={t.misses}, "
-                f"bytes_copied={t.bytes_copied}, copy_seconds={t.copy_seconds:.4f}, cycles={t.cycles}, "
+                f"bytes_copied={t.bytes_copied}, copy_busy_seconds={t.copy_busy_seconds:.4f}, "
+                f"pageable_copies={t.pageable_copies}, cycles={t.cycles}, "
                 f"new_tokens={t.new_tokens})")
 
 
@@ -162,14 +184,23 @@ class GenerateScope:
         self.stats = stats
         self.start = stats.total.copy()
         self.after_prefill: Counters | None = None
-        self.t_start = started if started is not None else time.perf_counter()
-        self.t_prefill = self.t_start
+        self.t_prefill = started if started is not None else time.perf_counter()  # the prefill's clock starts here
+        self.prefill_seconds = 0.0
 
     def prefill_done(self) -> None:
+        """The prefill has been issued: wait until it has run (on CUDA), then start the decode clock. Counters are
+        taken at the first call (the prefill's forward); a later call (after the prefill's lm_head, from the decode
+        loop) moves the boundary, so prefill and decode together still cover the whole call."""
+        self._settle()
         if self.after_prefill is None:
-            self.t_prefill = time.perf_counter()
-            self.stats.total.prefill_seconds += self.t_prefill - self.t_start
             self.after_prefill = self.stats.total.copy()
+        now = time.perf_counter()
+        self.prefill_seconds += now - self.t_prefill  # a later call moves the boundary: the time between is prefill
+        self.t_prefill = now
+
+    def _settle(self) -> None:
+        if self.stats.settle is not None:
+            self.stats.settle()
 
     def cycle(self, pool: int, verified: int, committed: int, seconds: float, measurement: float, demand: int,
               misses: int, draft_seconds: float) -> None:
@@ -188,16 +219,20 @@ class GenerateScope:
         """Close the call: decode time is the wall clock since the prefill ended. ``autoregressive``: plain
         decoding, one token per forward."""
         t = self.stats.total
-        self.prefill_done()
+        if self.after_prefill is None:
+            self.prefill_done()
+        self._settle()
         t.decode_seconds += time.perf_counter() - self.t_prefill
         if autoregressive:
             steps = t.forwards - self.after_prefill.forwards
             t.cycles += steps
             t.tokens_committed += steps
         t.new_tokens += new_tokens
+        t.prefill_seconds += self.prefill_seconds
         self.stats.last_prefill = self.after_prefill - self.start
+        self.stats.last_prefill.prefill_seconds = self.prefill_seconds
         self.stats.last_generate = t - self.after_prefill
         self.stats.last_generate.new_tokens = new_tokens
         # the call's own prefill time rides along, so last_generate alone gives end-to-end tok/s
-        self.stats.last_generate.prefill_seconds = self.stats.last_prefill.prefill_seconds
+        self.stats.last_generate.prefill_seconds = self.prefill_seconds
         self.stats.scope = None

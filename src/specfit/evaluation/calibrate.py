@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from importlib.resources import files
 
 import torch
@@ -115,7 +116,9 @@ def main(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
     model, tokenizer = _load(args)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
     prompts = _prompt_ids(args, tokenizer, model)
     with tqdm(total=args.probes, desc="calibration probes", unit="cycle") as bar:
         cost, records = calibrate(model, prompts, probes=args.probes, seed=args.seed,

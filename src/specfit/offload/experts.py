@@ -34,7 +34,9 @@ class LayerRuntime:
         rt.routes.record(self.index, top_k_index)
         flat = top_k_index.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # [T*k] (token, k) positions grouped by expert
-        counts = torch.bincount(flat, minlength=rt.store.num_experts).tolist()  # one host sync per layer
+        # the one planned host sync per layer: the routes' single transfer to the host (a CUDA bincount would add two
+        # more, hidden: it reads min and max on the host); the grouping `order` stays on the device
+        counts = torch.bincount(flat.cpu(), minlength=rt.store.num_experts).tolist()
         starts, needed, s = {}, [], 0
         for e, c in enumerate(counts):
             if c:

@@ -17,12 +17,15 @@ from .store import ExpertStore
 
 
 class SpecFitRuntime:
-    def __init__(self, store: ExpertStore, config: OffloadConfig, device: torch.device):
+    def __init__(self, store: ExpertStore, config: OffloadConfig, device: torch.device,
+                 engine: CopyEngine | None = None):
         self.store, self.config, self.device = store, config, torch.device(device)
         num_layers = len(store.arenas)
         self.stats = Stats()
         self.routes = RouteRecorder(num_layers, store.num_experts)
-        self.engine = CopyEngine(self.device, EmulatedLink(config.link) if config.link else None)
+        self.engine = engine or CopyEngine(self.device, EmulatedLink(config.link) if config.link else None)
+        if self.engine.on_device:  # generate() scopes wait for queued work before reading clocks and counters
+            self.stats.settle = self.engine.drain
         self.layers = [LayerRuntime(self, i, LayerCache(store, i, config.cache_slots, self.engine))
                        for i in range(num_layers)]
         self.forward_counters = Counters()
@@ -59,8 +62,10 @@ class SpecFitRuntime:
         return mask
 
     def prefetch(self, experts) -> None:
-        """Start copying the experts of bool [layers, experts] that are not resident (no forward waits on them
-        yet). Counted as copies; those the next forward does not use are counted as wasted."""
+        """Start copying the experts of bool [layers, experts] that are not resident, on the prefetch stream (no
+        forward waits on them yet; the next forward's demand copies do not queue behind them). Counted in
+        ``stats.total`` as copies (bytes now, copy time once landed); those the next forward does not use are
+        counted as wasted."""
         for layer, row in zip(self.layers, experts):
             layer.cache.prefetch([int(e) for e in row.nonzero()[0]], self.stats.total)
 
@@ -82,7 +87,7 @@ class SpecFitRuntime:
         self.routes.end()
         if self.untracked:
             return
-        self.engine.harvest(self.forward_counters)
+        self.engine.settle(self.forward_counters)  # this forward's copies, timed (its last layer waited for them)
         self.stats.forward_done(self.forward_counters)
 
     @contextmanager
@@ -103,4 +108,5 @@ class SpecFitRuntime:
     def __repr__(self) -> str:
         return (f"SpecFitRuntime(moe_layers={len(self.layers)}, experts={self.num_experts}, "
                 f"slots={self.config.cache_slots}, cache_mode={self.config.cache_mode!r}, link={self.link_label!r}, "
-                f"device={self.device}, pinned_bytes={self.store.pinned_bytes}, weight_bytes={self.store.weight_bytes})")
+                f"device={self.device}, pinned_bytes={self.store.pinned_bytes}, "
+                f"weight_bytes={self.store.weight_bytes}, pageable_copies={self.stats.total.pageable_copies})")

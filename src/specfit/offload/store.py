@@ -4,7 +4,12 @@ Layout of one layer's arena ``[E, 3*I*H]``: row ``e`` is expert ``e`` flattened 
 first, then up rows, as in transformers' fused ``gate_up_proj``) followed by ``down [H, I]``; families with expert
 biases (GPT-OSS) append ``gate_up_bias [2I]`` and ``down_bias [H]`` (``seam.ExpertLayout``). One expert is one row,
 so moving it to the device is one copy. On CUDA the arenas are pinned in place at their exact size with
-``cudaHostRegister`` (torch's pinned allocator rounds every block up to a power of two: 54 GiB would cost ~72 GiB).
+``cudaHostRegister`` (torch's pinned allocator rounds every block up to a power of two: Qwen3-30B-A3B's 48 arenas of
+1.125 GiB would take 48 x 2 GiB = 96 GiB instead of 54 GiB).
+
+A layer whose arena could not be pinned is ``layer_pinned(layer) == False``: its copies are synchronous (the host
+blocks for each, and nothing overlaps them), and the copy engine counts them as ``pageable_copies``. The arenas are
+unpinned only after every device copy still reading them has finished (``release`` and the finalizer synchronize).
 """
 
 from __future__ import annotations
@@ -16,11 +21,35 @@ import torch
 
 from .. import seam
 
+class CudaHostPinning:
+    """Page-locking host memory in place (``cudaHostRegister``), in one small seam so that a CPU test double can
+    stand in (a pinning failure, copies still in flight at release)."""
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        """Returns the cudaError (0: pinned). A failure leaves CUDA usable."""
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+        if err != 0:
+            _clear_cuda_error()  # the runtime keeps the error; the next launch would raise it otherwise
+        return err
+
+    def unregister(self, ptr: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def synchronize(self) -> None:
+        """Wait for all work on every device: a copy in flight may still be reading the memory."""
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(device)
+
+
 class ExpertStore:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 pin: bool | str = "auto", bias: bool = False):
+                 pin: bool | str = "auto", bias: bool = False, pinning: CudaHostPinning | None = None):
         if pin not in (True, False, "auto"):
             raise ValueError(f"pin must be True, False or 'auto', got {pin!r}")
+        self._pinning = pinning or CudaHostPinning()
         self.num_experts, self.hidden, self.intermediate, self.dtype = num_experts, hidden, intermediate, dtype
         self.layout = seam.ExpertLayout(hidden, intermediate, bias)
         self.expert_numel = self.layout.numel
@@ -28,7 +57,7 @@ class ExpertStore:
         self.pinned_bytes = 0
         self._registered: list[int] = []
         self._finalizer = None
-        if pin is True or (pin == "auto" and torch.cuda.is_available()):
+        if pin is True or (pin == "auto" and self._pinning.available()):
             self._pin()
 
     # sizes ---------------------------------------------------------------------------------------------------
@@ -43,6 +72,10 @@ class ExpertStore:
     @property
     def is_pinned(self) -> bool:
         return bool(self.arenas) and self.pinned_bytes == self.weight_bytes
+
+    def layer_pinned(self, layer: int) -> bool:
+        """Whether layer ``layer``'s arena is page-locked (arenas are pinned in layer order, up to a failure)."""
+        return layer < len(self._registered)
 
     # views -----------------------------------------------------------------------------------------------------
     def split(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,29 +128,29 @@ class ExpertStore:
 
     # pinning ---------------------------------------------------------------------------------------------------
     def _pin(self) -> None:
-        if not torch.cuda.is_available():
+        if not self._pinning.available():
             warnings.warn(f"pin=True but CUDA is not available: {self.weight_bytes} bytes of experts stay in "
                           f"pageable memory", RuntimeWarning, stacklevel=3)
             return
         # created first, so arenas pinned before a failure are unpinned too
-        self._finalizer = weakref.finalize(self, _unregister, self._registered, self.arenas)
-        cudart = torch.cuda.cudart()
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(self, _unregister, self._pinning, self._registered, self.arenas)
         for arena in self.arenas:
             nbytes = arena.numel() * arena.element_size()
-            err = int(cudart.cudaHostRegister(arena.data_ptr(), nbytes, 0))
+            err = self._pinning.register(arena.data_ptr(), nbytes)
             if err != 0:
-                _clear_cuda_error()  # the runtime keeps the error; the next launch would raise it otherwise
                 warnings.warn(
                     f"pinning the expert arenas failed (cudaError {err}) after {self.pinned_bytes} of "
-                    f"{self.weight_bytes} bytes: the rest stays in PAGEABLE memory, so its host-to-device copies "
-                    f"are synchronous and slower. Check the memlock/cgroup limits and free host memory.",
-                    RuntimeWarning, stacklevel=3)
+                    f"{self.weight_bytes} bytes ({len(self._registered)} of {len(self.arenas)} layers): the rest "
+                    f"stays in PAGEABLE memory, so its host-to-device copies are synchronous and overlap nothing "
+                    f"(counted as stats pageable_copies). Usual causes: the container's memory limit (cgroup) or "
+                    f"too little free host memory.", RuntimeWarning, stacklevel=3)
                 return
             self._registered.append(arena.data_ptr())
             self.pinned_bytes += nbytes
 
     def release(self) -> None:
-        """Unpin and drop the arenas."""
+        """Unpin and drop the arenas (after every device copy still reading them has finished)."""
         if self._finalizer is not None:
             self._finalizer()  # runs once; drops its references to the arenas
         self._registered, self.arenas, self.pinned_bytes = [], [], 0
@@ -144,10 +177,10 @@ def _clear_cuda_error() -> None:
                       RuntimeWarning, stacklevel=4)
 
 
-def _unregister(ptrs: list[int], arenas) -> None:
+def _unregister(pinning: CudaHostPinning, ptrs: list[int], arenas) -> None:
     # `arenas` is passed only to keep the memory alive until it is unregistered
-    if ptrs and torch.cuda.is_available():
-        cudart = torch.cuda.cudart()
+    if ptrs:
+        pinning.synchronize()  # a copy still in flight (a prefetch at teardown) may be reading an arena
         for ptr in ptrs:
-            cudart.cudaHostUnregister(ptr)
+            pinning.unregister(ptr)
     ptrs.clear()
