@@ -59,6 +59,17 @@ class ExpertLayout:
         m = 3 * i * h
         return gate_up, down, row[m:m + 2 * i], row[m + 2 * i:m + 2 * i + h]
 
+    def split_batch(self, rows: torch.Tensor):
+        """rows [n, numel] -> (gate_up [n, 2I, H], down [n, H, I], gate_up_bias [n, 2I] | None,
+        down_bias [n, H] | None) views."""
+        h, i, b = self.hidden, self.intermediate, rows.shape[0]
+        n = 2 * i * h
+        gate_up, down = rows[:, :n].view(b, 2 * i, h), rows[:, n:n + i * h].view(b, h, i)
+        if not self.bias:
+            return gate_up, down, None, None
+        m = 3 * i * h
+        return gate_up, down, rows[:, m:m + 2 * i], rows[:, m + 2 * i:m + 2 * i + h]
+
 
 @dataclass(frozen=True)
 class MoELayer:
@@ -111,6 +122,21 @@ def expert_activation(experts: nn.Module, gate_up_out: torch.Tensor) -> torch.Te
         return apply(gate_up_out)
     gate, up = gate_up_out.chunk(2, dim=-1)
     return up * experts.act_fn(gate)
+
+
+def experts_forward_batched(experts: nn.Module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                            gate_up_bias: torch.Tensor | None = None,
+                            down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """n experts at once: x [n, C, H] (C rows each) -> [n, C, H], from ``ExpertLayout.split_batch`` views
+    (gate_up [n, 2I, H], down [n, H, I], biases [n, 2I] / [n, H]); the same math as ``expert_forward``."""
+    if gate_up_bias is None:
+        h = torch.bmm(x, gate_up.transpose(1, 2))  # [n, C, 2I]
+    else:
+        h = torch.baddbmm(gate_up_bias[:, None], x, gate_up.transpose(1, 2))
+    h = expert_activation(experts, h)  # [n, C, I]
+    if down_bias is None:
+        return torch.bmm(h, down.transpose(1, 2))  # [n, C, H]
+    return torch.baddbmm(down_bias[:, None], h, down.transpose(1, 2))
 
 
 def expert_forward(experts: nn.Module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

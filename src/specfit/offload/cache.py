@@ -235,7 +235,38 @@ class LayerCache:
         counters.prefetch_copies += len(plan.loads)
 
     def fetch(self, needed: list[int], counters: Counters) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield (expert, flat device weights [3IH]) for every needed expert; count demand, hits and copies."""
+        """Yield (expert, flat device weights [numel]) for every needed expert, one by one: each view is yielded
+        once its own copy has landed (``fetch_groups`` batches them). Counts demand, hits and copies."""
+        plan, tickets = self._start(needed, counters)
+        for e, slot in plan.hits:
+            self._wait_prefetch(slot, counters)
+            yield e, self.slots[slot]
+        for (e, slot), ticket in zip(plan.loads, tickets):
+            self.engine.wait(ticket, counters)
+            yield e, self.slots[slot]
+        for e, buf in self._stream(plan.streamed, counters):
+            yield e, buf
+
+    def fetch_groups(self, needed: list[int], counters: Counters) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """Yield (experts, device weights [n, numel]) in up to three kinds of group, so compute runs a few batched
+        calls per group instead of a few per expert: the resident experts first (their compute overlaps the
+        misses' copies), then every loaded expert once all loads have landed, then each streamed expert alone
+        (through the two-buffer scratch ring). The weights are gathered after the waits (on CUDA: queued on the
+        compute stream behind them). Counts demand, hits and copies."""
+        plan, tickets = self._start(needed, counters)
+        if plan.hits:
+            for _, slot in plan.hits:
+                self._wait_prefetch(slot, counters)
+            yield [e for e, _ in plan.hits], self._gather([slot for _, slot in plan.hits])
+        if plan.loads:
+            for ticket in tickets:
+                self.engine.wait(ticket, counters)
+            yield [e for e, _ in plan.loads], self._gather([slot for _, slot in plan.loads])
+        for e, buf in self._stream(plan.streamed, counters):
+            yield [e], buf[None]
+
+    def _start(self, needed: list[int], counters: Counters):
+        """Plan one forward's experts, count them, and start the loads' copies; returns (plan, load tickets)."""
         arena = self.store.arenas[self.layer]
         plan = self.lru.plan(needed)
         if self._prefetched:  # wasted: prefetched, but not a hit of this forward (unneeded, or evicted meanwhile)
@@ -251,15 +282,16 @@ class LayerCache:
         overwritten = [self._pending.pop(slot) for _, slot in plan.loads if slot in self._pending]
         tickets = self.engine.copy_batch([(self.slots[slot], arena[e]) for e, slot in plan.loads], counters,
                                          pinned=self.pinned, after=overwritten)
-        for e, slot in plan.hits:
-            ticket = self._pending.pop(slot, None)  # a prefetched expert: its copy may still be in flight
-            if ticket is not None:
-                self.engine.wait(ticket, counters)
-            yield e, self.slots[slot]
-        for (e, slot), ticket in zip(plan.loads, tickets):
+        return plan, tickets
+
+    def _wait_prefetch(self, slot: int, counters: Counters) -> None:
+        ticket = self._pending.pop(slot, None)  # a prefetched expert: its copy may still be in flight
+        if ticket is not None:
             self.engine.wait(ticket, counters)
-            yield e, self.slots[slot]
-        for i, e in enumerate(plan.streamed):
+
+    def _stream(self, experts, counters: Counters) -> Iterator[tuple[int, torch.Tensor]]:
+        arena = self.store.arenas[self.layer]
+        for i, e in enumerate(experts):
             buf = self._scratch_buffer(i % 2)
             ticket, = self.engine.copy_batch([(buf, arena[e])], counters, pinned=self.pinned,
                                              after=(self._scratch_free[i % 2],))
@@ -267,6 +299,13 @@ class LayerCache:
             yield e, buf
             # resumed: the compute reading `buf` is queued, so the copy after next may overwrite it once this fires
             self._scratch_free[i % 2] = self.engine.mark_compute()
+
+    def _gather(self, slots: list[int]) -> torch.Tensor:
+        """[n, numel] weights of the given slots: a view for one slot or a run of consecutive ones, else a copy."""
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return self.slots[first:first + len(slots)]
+        return self.slots.index_select(0, torch.tensor(slots, device=self.slots.device))
 
     def _scratch_buffer(self, i: int) -> torch.Tensor:
         if self._scratch is None:

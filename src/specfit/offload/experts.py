@@ -1,8 +1,13 @@
-"""The ``"specfit"`` experts implementation: a Qwen3-MoE experts forward that reads expert weights through the
-slot cache instead of the module's own (released) parameters.
+"""The ``"specfit"`` experts implementation: an experts forward that reads expert weights through the slot cache
+instead of the module's own (released) parameters.
 
-The result does not depend on which experts were resident: every (token, k) contribution is written to its own
-row and the k rows of a token are summed in a fixed order at the end, as transformers' batched path does.
+Compute is batched per *group* of experts that become ready together (``LayerCache.fetch_groups``): the resident
+experts, then the loaded ones, then each streamed one. A group runs as a few batched calls whatever its size (its
+experts' rows padded to the busiest expert's count), so a forward costs a few torch calls per layer, not a few per
+expert; the hits' compute still runs while the misses copy.
+
+The result does not depend on which experts were resident: every (token, k) contribution is written to its own row
+and the k rows of a token are summed in a fixed order at the end, as transformers' batched path does.
 """
 
 from __future__ import annotations
@@ -21,11 +26,9 @@ class LayerRuntime:
         # runtime: the SpecFitRuntime (model.specfit); cache: this layer's LayerCache; index: 0-based among MoE layers
         self.runtime, self.index, self.cache = runtime, index, cache
 
-    def _untracked(self, needed: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
-        arena = self.runtime.store.arenas[self.index]
-        device = self.cache.engine.device
-        for e in needed:  # measurement path: no slots, no counters, no emulated link
-            yield e, arena[e].to(device, non_blocking=False)
+    def _untracked(self, needed: list[int]) -> Iterator[tuple[list[int], torch.Tensor]]:
+        arena = self.runtime.store.arenas[self.index]  # measurement path: no slots, no counters, no emulated link
+        yield needed, arena[needed].to(self.cache.engine.device, non_blocking=False)
 
     def forward(self, module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -44,15 +47,38 @@ class LayerRuntime:
                 needed.append(e)
                 s += c
         rows = hidden_states[order // top_k]  # [T*k, H] inputs in expert order
-        out = hidden_states.new_empty(num_tokens * top_k, hidden_states.shape[-1])  # [T*k, H]
-        source = self._untracked(needed) if rt.untracked else self.cache.fetch(needed, rt.forward_counters)
-        for e, weights in source:
-            start, count = starts[e]
-            # one expert's math is the family's (biases, GPT-OSS's clamped SwiGLU, ...): seam.expert_forward
-            out[order[start:start + count]] = seam.expert_forward(module, rows[start:start + count],
-                                                                  *rt.store.parts(weights))
+        grouped = torch.empty_like(rows)  # [T*k, H] outputs in expert order
+        source = self._untracked(needed) if rt.untracked else self.cache.fetch_groups(needed, rt.forward_counters)
+        for experts, weights in source:
+            parts = rt.store.layout.split_batch(weights)  # one expert's math is the family's: seam
+            spans = [starts[e] for e in experts]
+            width = max(c for _, c in spans)
+            if len(experts) == 1 or width == 1:  # no padding needed: rows of these experts, one each or one expert
+                take = [st + j for st, c in spans for j in range(c)]
+                x = rows[take[0]:take[0] + len(take)] if _is_run(take) else rows[take]
+                y = seam.experts_forward_batched(module, x.view(len(experts), width, -1), *parts)
+                _put(grouped, take, y.view(len(take), -1))
+                continue
+            take = [st + min(j, c - 1) for st, c in spans for j in range(width)]  # padded with a repeated row
+            keep = [g * width + j for g, (_, c) in enumerate(spans) for j in range(c)]
+            y = seam.experts_forward_batched(module, rows[take].view(len(experts), width, -1), *parts)  # [n, C, H]
+            _put(grouped, [st + j for st, c in spans for j in range(c)], y.view(len(take), -1)[keep])
+        out = torch.empty_like(grouped)
+        out[order] = grouped  # back to (token, k) order
         out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
         return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def _is_run(index: list[int]) -> bool:
+    return index == list(range(index[0], index[0] + len(index)))
+
+
+def _put(dst: torch.Tensor, index: list[int], values: torch.Tensor) -> None:
+    """dst[index] = values, as a slice copy when the index is a run."""
+    if _is_run(index):
+        dst[index[0]:index[0] + len(index)] = values
+    else:
+        dst[index] = values
 
 
 def specfit_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
