@@ -200,3 +200,13 @@ def test_specfit_skips_drafting_that_does_not_pay_and_stays_lossless():
     assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False, assistant="specfit"), expected)
     pools = [c.pool for c in model.specfit.stats.trace]
     assert pools.count(0) > len(pools) / 2 and any(p > 0 for p in pools)  # mostly skipped, probed now and then
+
+
+@pytest.mark.parametrize("assistant", ["eagle3", "specfit"])
+def test_greedy_with_logits_processors_equals_plain_generate(assistant):
+    """Processors that read the accepted prefix (repetition penalty, min length) take the general walk."""
+    prompt = PROMPTS[2]
+    kw = dict(max_new_tokens=20, min_new_tokens=20, repetition_penalty=1.3, do_sample=False)
+    expected = tiny_moe().generate(prompt, **kw)
+    model = enabled(prompt, noise=0.3)
+    assert torch.equal(model.generate(prompt, assistant=assistant, **kw), expected)

@@ -114,3 +114,26 @@ def test_generate_sampling_matches_target(assistant):
             model.specfit.stats.last_generate.cycles == 1
     assert accepted > 50  # the draft was accepted often enough for the accept branch to matter
     assert goodness_of_fit(counts, probs, n) > ALPHA
+
+
+def test_walk_greedy_equals_walk_on_raw_logits():
+    """The fast greedy walk (argmax of every tree index at once) takes the same path as the general one."""
+    from specfit.decoding.acceptance import walk_greedy
+
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        n = int(torch.randint(1, 9, (), generator=gen))
+        parents = [-1] + [int(torch.randint(0, t, (), generator=gen)) for t in range(1, n)]
+        logits = torch.randn(n, 6, generator=gen)
+        tokens = [0] + [int(torch.randint(0, 6, (), generator=gen)) for _ in range(1, n)]
+        for t in range(1, n):  # make acceptance likely: often the child is its parent's argmax
+            if torch.rand((), generator=gen) < 0.6:
+                tokens[t] = int(logits[parents[t]].argmax())
+
+        def children(t):
+            return [c for c in range(n) if parents[c] == t]
+
+        slow = walk(children, tokens, lambda t, acc: logits[t], do_sample=False)
+        fast = walk_greedy(children, tokens, logits.argmax(-1).tolist(), lambda t: logits[t])
+        assert (fast.tokens, fast.path) == (slow.tokens, slow.path)
+        assert all(torch.equal(a, b) for a, b in zip(fast.scores, slow.scores))

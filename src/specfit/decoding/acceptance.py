@@ -62,3 +62,22 @@ def walk(children: Callable[[int], list[int]], tokens: list[int], scores_at: Cal
         acc.tokens.append(tokens[nxt])
         acc.path.append(nxt)
         t = nxt
+
+
+def walk_greedy(children: Callable[[int], list[int]], tokens: list[int], choices: list[int],
+                scores_at: Callable[[int], torch.Tensor]) -> Acceptance:
+    """Greedy walk when the scores are the raw logits (no logits processors): ``choices[t]`` is the argmax at every
+    tree index, taken in one transfer for the whole tree, so the walk itself is plain Python. Same result as
+    ``walk(..., do_sample=False)`` on the same logits."""
+    acc = Acceptance()
+    t = 0
+    while True:
+        choice = choices[t]
+        acc.tokens.append(choice)
+        acc.scores.append(scores_at(t))
+        nxt = next((c for c in children(t) if tokens[c] == choice), None)
+        if nxt is None:
+            return acc
+        acc.path.append(nxt)
+        t = nxt
+

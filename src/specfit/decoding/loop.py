@@ -16,7 +16,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .. import seam
 from ..drafting.tree import verify_layout
 from ..selection.route_sources import Cycle
-from .acceptance import walk
+from .acceptance import walk, walk_greedy
 
 UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False}
 
@@ -87,8 +87,12 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
                     use_cache=True, logits_to_keep=0)  # 3. verify
         verify = runtime.stats.last_forward
         tokens = [cycle.root] + [tree.tokens[v] for v in layout.nodes]  # the host has them: no device round trip
-        acc = walk(layout.children, tokens, lambda t, accepted: run.scores(out.logits[0, t], accepted),
-                   do_sample)  # 4. accept
+        if run.plain_greedy:  # 4. accept (one transfer of every position's argmax when scores are raw logits)
+            acc = walk_greedy(layout.children, tokens, out.logits[0].argmax(-1).tolist(),
+                              lambda t: out.logits[0, t].float())
+        else:
+            acc = walk(layout.children, tokens, lambda t, accepted: run.scores(out.logits[0, t], accepted),
+                       do_sample)
         kept = [0] + acc.path  # tree indices, ascending
         if kept == list(range(len(kept))):  # 5. compact: the path is a prefix of the layout, so cropping suffices
             seam.crop_kv(cache, cycle.base + len(kept))
@@ -117,6 +121,9 @@ class _Run:
     def __init__(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
         self.ids, self.processors, self.stopping = input_ids, logits_processor, stopping_criteria
         self.config, self.streamer = generation_config, streamer
+        # greedy with no logits processor and no raw logits kept: the scores are the logits themselves
+        self.plain_greedy = not generation_config.do_sample and len(logits_processor) == 0 and \
+            not generation_config.output_logits
         self.done = False
         self.all_scores, self.all_logits = [], []
         self._raw: list[torch.Tensor] = []  # raw logits behind each scores() call of this cycle, in walk order
