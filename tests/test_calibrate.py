@@ -39,6 +39,7 @@ def test_fitted_beta_recovers_emulated_link():
     result = calibrate(model, PROMPTS, probes=60, repeats=2, warmup=1, max_new_tokens=50, bootstrap=50)
     cost, records = result.cost, result.records
     assert len(records) == 60 == cost.meta["probes"]["configs"] and cost.meta["probes"]["dropped"] == 0
+    assert cost.meta["probes"]["repeats_matched"] is True
     assert len({r.n_nodes for r in records}) >= 6  # the probes span subtree sizes
     assert abs(cost.beta - 1e-3) / 1e-3 < 0.15, f"beta {cost.beta * 1e3:.3f} ms"
     assert cost.meta["cache_mode"] == "cleared" and cost.meta["slots"] == 16 and "emulated" in cost.meta["link"]
@@ -54,6 +55,17 @@ def test_fitted_beta_recovers_emulated_link():
     for r in records:
         by_size.setdefault(r.n_nodes, set()).add(r.demand)
     assert sum(len(demands) > 1 for n, demands in by_size.items() if n > 0) >= 5
+
+
+def test_a_drafter_that_samples_cannot_be_replayed_and_each_cycle_is_fitted_alone():
+    model = tiny_moe()
+    drafter = SelfDrafter(model, first_token=int(PROMPTS[0][0, 0]), noise=0.3)  # its noise RNG runs on across calls
+    specfit.enable(model, cache_slots=5, drafter=drafter, depth=3, pool_nodes=10)
+    with pytest.warns(RuntimeWarning, match="not deterministic here .* every timed cycle is fitted on its own"):
+        result = calibrate(model, PROMPTS[:1], probes=12, repeats=2, warmup=1, max_new_tokens=30, bootstrap=30)
+    probes = result.cost.meta["probes"]
+    assert probes["repeats_matched"] is False and probes["dropped"] is None
+    assert len(result.records) == probes["configs"] >= 12  # every timed cycle of both rounds (the plan held 12)
 
 
 def test_probe_subtrees_are_ancestor_closed_and_sizes_are_balanced():
