@@ -191,14 +191,27 @@ def test_gate_refuses_a_noisy_probe_set_and_says_why():
     assert quality["choice_change_rate"] > clean["choice_change_rate"]
 
 
+def test_a_wide_interval_on_a_small_beta_fails_only_when_it_moves_the_selectors_choices():
+    # as with no link: beta is 0.02 ms per expert, hard to pin down relative to itself, and nearly irrelevant
+    records = probe_records(4, noise_s=0.7e-3, beta=0.02e-3)
+    alone, _ = assess(records, 7, bootstrap=100, seed=0)
+    assert alone["verdict"] == "poor" and alone["beta_halfwidth"] > 0.25 and len(alone["reasons"]) == 1
+    assert alone["choice_loss"] is None
+    judged, _ = assess(records, 7, bootstrap=100, seed=0, pools=random_pools(0))
+    assert judged["beta_halfwidth"] > 0.25 and judged["choice_loss"] < 0.01 and judged["choice_change_rate"] > 0
+    assert judged["verdict"] == "good" and judged["reasons"] == []
+    strict, _ = assess(records, 7, bootstrap=100, seed=0, pools=random_pools(0), gate={"max_choice_loss": 1e-4})
+    assert strict["verdict"] == "poor" and any("lose" in r for r in strict["reasons"])
+
+
 def test_gate_thresholds_come_from_the_probe_definition_and_can_be_changed():
     records = probe_records(1, noise_s=1.5e-3)
     loose, _ = assess(records, 7, bootstrap=60, gate={"min_heldout_r2": 0.0, "max_beta_halfwidth": 10.0})
     strict, _ = assess(records, 7, bootstrap=60, gate={"min_heldout_r2": 0.999})
     assert loose["verdict"] == "good" and strict["verdict"] == "poor"
-    assert strict["gate"] == {"min_heldout_r2": 0.999, "max_beta_halfwidth": 0.25}
+    assert strict["gate"] == {"min_heldout_r2": 0.999, "max_beta_halfwidth": 0.25, "max_choice_loss": 0.01}
     probes = json.loads(files_text("probes.json"))
-    assert probes["gate"] == {"min_heldout_r2": 0.5, "max_beta_halfwidth": 0.25}
+    assert probes["gate"] == {"min_heldout_r2": 0.5, "max_beta_halfwidth": 0.25, "max_choice_loss": 0.01}
     with pytest.raises(ValueError, match=r"unknown gate setting\(s\) \['r2'\]"):
         assess(records, 7, gate={"r2": 0.5})
     with pytest.raises(ValueError, match="too few for 5-fold"):

@@ -380,7 +380,12 @@ def describe(cost: CostModel) -> str:
                   + " ".join(f"[{ms(lo)}, {ms(hi)}]" for lo, hi in q.get("intercept_intervals_s", [])) + " ms"]
         if q.get("choice_change_rate") is not None:
             lines.append(f"selector    choice changes on {100 * q['choice_change_rate']:.1f}% of (pool, bootstrap "
-                         f"fit) pairs over {q.get('pools')} recorded pools")
+                         f"fit) pairs over {q.get('pools')} recorded pools, losing {100 * q['choice_loss']:.2f}% of "
+                         f"the predicted tokens per second on average")
+        limit = q.get("gate", {}).get("max_beta_halfwidth")
+        if q["verdict"] == "good" and limit is not None and (width is None or width > limit):
+            lines.append(f"note        beta's interval is wider than +-{100 * limit:.0f}%, but the choices it moves lose "
+                         f"little (see fit_quality's gate, rule 2)")
         lines.append(f"verdict     {q['verdict'].upper()}" + "".join(f"\n            - {r}" for r in q["reasons"]))
     elif q:
         lines.append(f"verdict     {q.get('verdict')}: " + "; ".join(q.get("reasons", [])))
