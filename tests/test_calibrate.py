@@ -50,6 +50,8 @@ def test_fitted_beta_recovers_emulated_link():
     assert quality["verdict"] == "good" and quality["reasons"] == [] and quality["heldout_r2"] > 0.8
     assert quality["pools"] > 0 and 0 <= quality["choice_change_rate"] <= 1
     assert len(quality["intercept_intervals_s"]) == cost.max_nodes + 1 and result.heldout_seconds.shape == (60,)
+    aware = cost.cache_aware()  # cleared cache: every expert of demand is a miss, so the two fits agree
+    assert aware.monotone and aware.beta == pytest.approx(cost.beta, rel=1e-6) and aware.meta["heldout_r2"] > 0.8
     # every configuration varies demand at its size: the schedule asked for its lowest, highest or a random one
     by_size = {}
     for r in records:

@@ -130,6 +130,16 @@ def test_drafting_is_charged_per_level_drafted():
         CostModel((0.1, 0.2), beta=1e-4).predict(1, 10, levels=1)
 
 
+def test_the_cache_aware_fit_is_a_model_of_its_own_with_the_same_drafting():
+    extra = {"intercepts": [0.006, 0.0065], "beta": 3.1e-4, "draft_level_seconds": [0.001, 0.002], "r2": 0.99}
+    model = CostModel((0.004, 0.005), 2e-4, {"cache_aware": extra}, draft_level_seconds=(0.001, 0.002))
+    aware = model.cache_aware()
+    assert aware.intercepts == (0.006, 0.0065) and aware.beta == 3.1e-4 and aware.draft_level_seconds == (0.001, 0.002)
+    assert aware.meta == {"source": "cache-aware fit", "r2": 0.99}
+    with pytest.raises(ValueError, match="needs a profile fitted on misses too"):
+        CostModel((0.1,), 1e-4).cache_aware()
+
+
 def test_drafting_cannot_exceed_the_intercepts():
     with pytest.raises(ValueError, match="'draft_level_seconds' sums to"):
         CostModel((0.005, 0.010), beta=1e-4, draft_level_seconds=(0.004, 0.003))

@@ -225,8 +225,10 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
     # the same probes fitted on expert *misses*: the cache-aware cost option (resident experts are free)
     try:
         misses_fit = CostModel.fit(on_misses, max_nodes=max_nodes, draft_level_seconds=levels)
+        checked, _ = assess(on_misses, max_nodes, levels, folds=folds, bootstrap=max(20, bootstrap // 4), seed=seed)
         meta["cache_aware"] = dict(intercepts=list(misses_fit.intercepts), beta=misses_fit.beta,
-                                   r2=misses_fit.meta["r2"])
+                                   draft_level_seconds=list(levels), r2=misses_fit.meta["r2"],
+                                   heldout_r2=checked["heldout_r2"], beta_interval_s=checked["beta_interval_s"])
     except ValueError as err:  # e.g. every expert resident: misses never vary
         meta["cache_aware"] = None
         meta["cache_aware_error"] = str(err)
@@ -367,7 +369,8 @@ def describe(cost: CostModel) -> str:
              f"over {m.get('n_records')} probe configurations"]
     aware = m.get("cache_aware")
     if aware:
-        lines.append(f"cache-aware {aware['beta'] * 1e3:.4f} ms per expert copy (miss), R^2 {aware['r2']:.3f}; "
+        lines.append(f"cache-aware {aware['beta'] * 1e3:.4f} ms per expert copy (miss), R^2 {aware['r2']:.3f} "
+                     f"(held out {aware.get('heldout_r2') or float('nan'):.3f}); "
                      f"intercepts " + " ".join(f"{a * 1e3:.2f}" for a in aware["intercepts"]) + " ms (the fit on "
                      f"misses, for cost='cache-aware')")
     if q.get("verdict") in ("good", "poor"):

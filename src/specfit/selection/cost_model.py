@@ -115,6 +115,24 @@ class CostModel:
         """The calibration's verdict on this fit (``meta["quality"]``), or None for a model that was not assessed."""
         return self.meta.get("quality")
 
+    def cache_aware(self) -> "CostModel":
+        """The profile's second fit, on expert *misses* instead of demand (experts resident in the slot cache cost
+        nothing): the model for ``cost="cache-aware"``, with the same drafting levels. ``specfit calibrate`` stores
+        it in ``meta["cache_aware"]``.
+
+        >>> m = CostModel((0.02, 0.03), 2e-4, {"cache_aware": {"intercepts": [0.025, 0.03], "beta": 3e-4}})
+        >>> m.cache_aware().beta, m.cache_aware().meta["source"]
+        (0.0003, 'cache-aware fit')
+        """
+        extra = self.meta.get("cache_aware")
+        if not isinstance(extra, dict) or "intercepts" not in extra or "beta" not in extra:
+            raise ValueError("cost='cache-aware' needs a profile fitted on misses too; recalibrate with this version "
+                             "of `specfit calibrate`")
+        levels = extra.get("draft_level_seconds", self.draft_level_seconds)
+        meta = {"source": "cache-aware fit", **{k: v for k, v in extra.items()
+                                                 if k not in ("intercepts", "beta", "draft_level_seconds")}}
+        return CostModel(tuple(extra["intercepts"]), extra["beta"], meta, tuple(levels))
+
     def drafting_seconds(self, levels: int) -> float:
         """Time to draft ``levels`` levels: the measured levels, then the last one's time for each deeper level."""
         if isinstance(levels, bool) or not isinstance(levels, (int, np.integer)) or levels < 0:
