@@ -178,7 +178,8 @@ def test_gate_passes_a_clean_probe_set():
     assert quality["heldout_r2"] > 0.9 and quality["beta_halfwidth"] < 0.1
     lo, hi = quality["beta_interval_s"]
     assert lo < 0.28e-3 < hi
-    assert all(lo <= a <= hi for (lo, hi), a in zip(quality["intercept_intervals_s"], CostModel.fit(records).intercepts))
+    fitted = CostModel.fit(records).intercepts
+    assert all(lo <= a <= hi for (lo, hi), a in zip(quality["intercept_intervals_s"], fitted))
     assert heldout.shape == (len(records),) and quality["choice_change_rate"] < 0.1
 
 

@@ -356,31 +356,33 @@ def install(cost: CostModel, path, force: bool = False) -> Path:
 def describe(cost: CostModel) -> str:
     m, q = cost.meta, cost.quality or {}
 
-    def ms(x):
-        return "n/a" if x is None else f"{x * 1e3:.2f}"
+    def num(x, scale=1.0, digits=3):
+        return "n/a" if x is None else f"{x * scale:.{digits}f}"
+
+    def ms(values, digits=2):
+        return " ".join(num(v, 1e3, digits) for v in values)
 
     lines = [f"device      {m.get('device')}", f"model       {m.get('model_id')}",
              f"slots       {m.get('slots')} ({m.get('cache_mode')})", f"link        {m.get('link')}",
              f"beta        {cost.beta * 1e3:.4f} ms per expert of demand",
-             "intercepts  " + " ".join(f"{a * 1e3:.2f}" for a in cost.intercepts) + " ms (n = 0..)",
-             "drafting    " + (" ".join(f"{t * 1e3:.2f}" for t in cost.draft_level_seconds) + " ms per level (1..), "
-                               "included in every intercept" if cost.draft_levels else "not modelled per level"),
-             f"fit         R^2 {m.get('r2') or float('nan'):.3f}, rms residual {ms(m.get('rms_residual_s'))} ms "
-             f"over {m.get('n_records')} probe configurations"]
+             f"intercepts  {ms(cost.intercepts)} ms (n = 0..)",
+             f"drafting    {ms(cost.draft_level_seconds)} ms per level (1..), included in every intercept"
+             if cost.draft_levels else "drafting    not modelled per level",
+             f"fit         R^2 {num(m.get('r2'))}, rms residual {num(m.get('rms_residual_s'), 1e3, 2)} ms over "
+             f"{m.get('n_records')} probe configurations"]
     aware = m.get("cache_aware")
     if aware:
-        lines.append(f"cache-aware {aware['beta'] * 1e3:.4f} ms per expert copy (miss), R^2 {aware['r2']:.3f} "
-                     f"(held out {aware.get('heldout_r2') or float('nan'):.3f}); "
-                     f"intercepts " + " ".join(f"{a * 1e3:.2f}" for a in aware["intercepts"]) + " ms (the fit on "
+        lines.append(f"cache-aware {aware['beta'] * 1e3:.4f} ms per expert copy (miss), R^2 {num(aware.get('r2'))} "
+                     f"(held out {num(aware.get('heldout_r2'))}); intercepts {ms(aware['intercepts'])} ms (the fit on "
                      f"misses, for cost='cache-aware')")
     if q.get("verdict") in ("good", "poor"):
-        held = q.get("heldout_r2")
         width = q.get("beta_halfwidth")
-        lines += [f"held out    R^2 {'n/a' if held is None else f'{held:.3f}'}, rms {ms(q.get('heldout_rms_s'))} "
-                  f"ms ({q.get('folds')}-fold cross-validation)",
-                  f"bootstrap   beta 95% [{ms(q['beta_interval_s'][0])}, {ms(q['beta_interval_s'][1])}] ms "
+        lines += [f"held out    R^2 {num(q.get('heldout_r2'))}, rms {num(q.get('heldout_rms_s'), 1e3, 2)} ms "
+                  f"({q.get('folds')}-fold cross-validation)",
+                  f"bootstrap   beta 95% [{ms(q['beta_interval_s'], 4).replace(' ', ', ')}] ms "
                   f"({'unbounded' if width is None else f'+-{100 * width:.0f}%'}); intercepts "
-                  + " ".join(f"[{ms(lo)}, {ms(hi)}]" for lo, hi in q.get("intercept_intervals_s", [])) + " ms"]
+                  + " ".join(f"[{ms(pair).replace(' ', ', ')}]" for pair in q.get("intercept_intervals_s", []))
+                  + " ms"]
         if q.get("choice_change_rate") is not None:
             lines.append(f"selector    choice changes on {100 * q['choice_change_rate']:.1f}% of (pool, bootstrap "
                          f"fit) pairs over {q.get('pools')} recorded pools, losing {100 * q['choice_loss']:.2f}% of "

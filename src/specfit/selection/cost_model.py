@@ -342,7 +342,7 @@ def _unassessed(intercepts) -> dict:
     if falls:
         i, a, b = falls[0]
         reasons.append(f"its intercepts fall with n (a({i + 1}) = {b * 1e3:.2f} ms < a({i}) = {a * 1e3:.2f} ms), "
-                       f"which no cycle can do")
+                       f"traded against beta on collinear probes")
     return {"verdict": "unassessed", "reasons": reasons}
 
 
