@@ -389,8 +389,8 @@ def describe(cost: CostModel) -> str:
                          f"the predicted tokens per second on average")
         limit = q.get("gate", {}).get("max_beta_halfwidth")
         if q["verdict"] == "good" and limit is not None and (width is None or width > limit):
-            lines.append(f"note        beta's interval is wider than +-{100 * limit:.0f}%, but the choices it moves lose "
-                         f"little (see fit_quality's gate, rule 2)")
+            lines.append(f"note        beta's interval is wider than +-{100 * limit:.0f}%, but the choices it moves "
+                         f"lose little (see fit_quality's gate, rule 2)")
         lines.append(f"verdict     {q['verdict'].upper()}" + "".join(f"\n            - {r}" for r in q["reasons"]))
     elif q:
         lines.append(f"verdict     {q.get('verdict')}: " + "; ".join(q.get("reasons", [])))
