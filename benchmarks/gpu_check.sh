@@ -271,8 +271,8 @@ stage_checkpoint() {
 
 calibrate_cmd() {  # mode -> CMD
     CMD=("$PY" -m specfit.cli calibrate --model "$WORK/ckpt" --drafter "$WORK/drafter" --slots "$SLOTS"
-         --cache-mode "$1" --prompts random --num-prompts 4 --probes 40 --dtype bfloat16
-         --out "$OUTDIR/profile-$1.json")
+         --cache-mode "$1" --prompts random --num-prompts 4 --probes 40 --repeats 1 --force --dtype bfloat16
+         --out "$OUTDIR/profile-$1.json")  # --force: record the fit's verdict, keep the profile for the decode stage
     read -r -a extra <<<"$CAL_ARGS"
     CMD+=("${extra[@]}")
 }
@@ -290,7 +290,8 @@ print_beta() {  # mode paper_ms
 import json, sys
 d = json.load(open(sys.argv[1]))
 beta, r2, n = d["beta"] * 1e3, d.get("r2") or 0.0, d.get("n_records")
-print(f"RESULT beta {sys.argv[2]}: {beta:.4f} ms per expert of demand, R^2 {r2:.3f} over {n} probes "
+verdict = (d.get("quality") or {}).get("verdict", "unassessed")
+print(f"RESULT beta {sys.argv[2]}: {beta:.4f} ms per expert of demand, R^2 {r2:.3f} over {n} probes, fit {verdict} "
       f"(paper, A100 over PCIe 4.0: {sys.argv[3]} ms)")
 EOF
 }

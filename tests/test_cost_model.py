@@ -56,6 +56,97 @@ def test_fit_keeps_coefficients_non_negative_when_the_truth_has_a_zero():
     assert model.intercepts == pytest.approx((0.05, 0.06, 0.07), rel=0.05)
 
 
+def collinear(rng, intercepts, beta, per_count=40, noise_s=2e-3):
+    """Records like the issue's probes: demand grows with the node count (every node adds experts) and the timer
+    is noisy; demand still varies at each count, through which nodes were verified."""
+    records = []
+    for n, a in enumerate(intercepts):
+        for _ in range(per_count):
+            demand = 24 + int(rng.integers(6, 16)) * n + int(rng.integers(0, 6))
+            records.append(Record(n, demand, a + beta * demand + noise_s * rng.standard_normal()))
+    return records
+
+
+def one_hot_nnls(records):
+    """The version-1 fit: one free intercept per node count, then beta, by NNLS (for comparison only)."""
+    from scipy.optimize import nnls
+
+    rows = np.array(records, float)
+    features = np.column_stack([np.eye(int(rows[:, 0].max()) + 1)[rows[:, 0].astype(int)], rows[:, 1]])
+    scale = np.linalg.norm(features, axis=0)
+    return nnls(features / scale, rows[:, 2])[0] / scale
+
+
+def test_monotone_fit_keeps_intercepts_rising_and_recovers_beta_on_collinear_records():
+    truth = (6.0e-3, 6.1e-3, 6.2e-3, 6.3e-3, 6.4e-3, 6.5e-3, 6.6e-3, 6.7e-3)  # nearly flat, as on the CPU
+    falls = 0
+    for seed in range(10):
+        records = collinear(np.random.default_rng(seed), truth, 0.28e-3)
+        old = one_hot_nnls(records)[:-1]
+        falls += bool(np.any(np.diff(old) < 0))
+        model = CostModel.fit(records)
+        assert model.monotone and np.all(np.diff(model.intercepts) >= 0), model.intercepts
+        assert model.beta == pytest.approx(0.28e-3, rel=0.10)
+        assert model.intercepts == pytest.approx(truth, abs=2e-3)  # records have 2 ms of noise each
+    assert falls >= 5  # the same data does make the one-intercept-per-count fit fall with n
+
+
+def test_monotone_fit_is_exact_on_clean_records():
+    truth = (0.010, 0.010, 0.012, 0.015, 0.015, 0.020)  # flat stretches included: increments may be 0
+    rng = np.random.default_rng(5)
+    records = [(n, float(d), truth[n] + 3e-4 * d) for n in range(6) for d in rng.integers(20, 200, 12)]
+    model = CostModel.fit(records)
+    assert model.intercepts == pytest.approx(truth, abs=1e-12)
+    assert model.beta == pytest.approx(3e-4, rel=1e-9)
+
+
+def test_fit_holds_intercepts_above_the_measured_drafting():
+    # the records say a(0) is 5 ms, but drafting its levels was measured at 4 + 3 ms: every cycle paid those
+    records = [(n, d, 0.005 + 0.001 * n + 1e-4 * d) for n in range(3) for d in (10, 40, 90)]
+    model = CostModel.fit(records, draft_level_seconds=(0.004, 0.003))
+    assert min(model.intercepts) >= 0.007 - 1e-12
+    assert model.draft_levels == 2 and model.draft_level_seconds == (0.004, 0.003)
+    assert np.all(np.diff(model.intercepts) >= 0)
+
+
+def test_drafting_is_charged_per_level_drafted():
+    model = CostModel((0.020, 0.025, 0.030), beta=1e-4, draft_level_seconds=(0.001, 0.003, 0.003))
+    assert model.predict(1, 100) == pytest.approx(0.035)
+    assert model.predict(1, 100, levels=3) == pytest.approx(0.035)  # the probes' own depth: unchanged
+    assert model.predict(1, 100, levels=1) == pytest.approx(0.029)
+    assert model.predict(0, 100, levels=0) == pytest.approx(0.023)  # nothing drafted at all
+    assert model.predict(2, 100, levels=5) == pytest.approx(0.046)  # deeper than measured: the last level's time
+    assert model.drafting_seconds(2) == pytest.approx(0.004)
+    shallow = model.at_levels(2)  # what the selector takes: the intercepts of a 2-level cycle
+    assert shallow.intercepts == pytest.approx((0.017, 0.022, 0.027)) and shallow.beta == model.beta
+    assert shallow.draft_level_seconds == (0.001, 0.003)
+    assert shallow.predict(2, 50) == pytest.approx(model.predict(2, 50, levels=2))
+    assert model.at_levels(4).draft_level_seconds == (0.001, 0.003, 0.003, 0.003)
+    with pytest.raises(ValueError, match="n_nodes=1 with levels=0"):
+        model.predict(1, 100, levels=0)
+    with pytest.raises(ValueError, match="levels must be an int >= 0, got -1"):
+        model.predict(0, 100, levels=-1)
+    with pytest.raises(ValueError, match="does not model drafting per level"):
+        CostModel((0.1, 0.2), beta=1e-4).predict(1, 10, levels=1)
+
+
+def test_the_cache_aware_fit_is_a_model_of_its_own_with_the_same_drafting():
+    extra = {"intercepts": [0.006, 0.0065], "beta": 3.1e-4, "draft_level_seconds": [0.001, 0.002], "r2": 0.99}
+    model = CostModel((0.004, 0.005), 2e-4, {"cache_aware": extra}, draft_level_seconds=(0.001, 0.002))
+    aware = model.cache_aware()
+    assert aware.intercepts == (0.006, 0.0065) and aware.beta == 3.1e-4 and aware.draft_level_seconds == (0.001, 0.002)
+    assert aware.meta == {"source": "cache-aware fit", "r2": 0.99}
+    with pytest.raises(ValueError, match="needs a profile fitted on misses too"):
+        CostModel((0.1,), 1e-4).cache_aware()
+
+
+def test_drafting_cannot_exceed_the_intercepts():
+    with pytest.raises(ValueError, match="'draft_level_seconds' sums to"):
+        CostModel((0.005, 0.010), beta=1e-4, draft_level_seconds=(0.004, 0.003))
+    with pytest.raises(ValueError, match=r"'draft_level_seconds\[1\]' must be a non-negative number"):
+        CostModel((0.5, 0.5), beta=1e-4, draft_level_seconds=(0.004, -1))
+
+
 def test_fit_fills_unobserved_node_counts_from_their_neighbours():
     truth = (0.10, 0.11, 0.12, 0.13, 0.14, 0.15)
     records = synthetic(np.random.default_rng(1), truth, 2e-4, noise=0.0, counts=[1, 3, 4])
@@ -67,7 +158,7 @@ def test_fit_fills_unobserved_node_counts_from_their_neighbours():
 @pytest.mark.parametrize(
     "counts, truth, expected",
     [
-        ([3, 4], (0, 0, 0, 0.3, 0.1), [0.9, 0.7, 0.5, 0.3, 0.1, 0.0, 0.0]),  # the falling line is clamped at 0
+        ([3, 4], (0, 0, 0, 0.1, 0.3), [0.0, 0.0, 0.0, 0.1, 0.3, 0.5, 0.7]),  # the line down is clamped at 0
         ([2], (0, 0, 0.2), [0.2] * 7),  # one observed count: flat
     ],
 )
@@ -148,9 +239,47 @@ def test_save_load_round_trip(tmp_path):
     model = CostModel.fit(synthetic(np.random.default_rng(2), (0.1, 0.12, 0.13), 3e-4), **META)
     path = model.save(tmp_path / "deep" / "profile.json")
     data = json.loads(path.read_text())
-    assert (data["format"], data["version"], data["units"]) == ("specfit-cost-model", 1, "seconds")
+    assert (data["format"], data["version"], data["units"]) == ("specfit-cost-model", 2, "seconds")
     assert data["slots"] == 48 and data["beta"] == model.beta
     assert CostModel.load(path, expect={"slots": 48, "cache_mode": "cached"}) == model
+
+
+def test_save_load_round_trip_keeps_drafting_levels_and_quality(tmp_path):
+    quality = {"verdict": "poor", "reasons": ["held-out R^2 0.2 < 0.5"], "heldout_r2": 0.2}
+    model = CostModel((0.02, 0.03), 1e-4, {"slots": 12, "quality": quality}, draft_level_seconds=(0.001, 0.004))
+    loaded = CostModel.load(model.save(tmp_path / "p.json"))
+    assert loaded == model and loaded.draft_level_seconds == (0.001, 0.004) and loaded.quality == quality
+
+
+V1 = {"format": "specfit-cost-model", "version": 1, "units": "seconds", "beta": 2.9e-4, "slots": 12, "r2": 0.82,
+      "cache_mode": "cached"}
+
+
+def test_version_1_profiles_load_as_unassessed(tmp_path):
+    model = CostModel.load(write(tmp_path, {**V1, "intercepts": [0.006, 0.007, 0.007]}), expect={"slots": 12})
+    assert model.intercepts == (0.006, 0.007, 0.007) and model.beta == 2.9e-4 and model.meta["r2"] == 0.82
+    assert model.draft_levels == 0  # drafting per level was not measured then
+    assert model.quality["verdict"] == "unassessed" and "version-1" in model.quality["reasons"][0]
+    assert len(model.quality["reasons"]) == 1
+    again = CostModel.load(model.save(tmp_path / "v2.json"))  # re-saved, it is a version-2 file that says so
+    assert json.loads((tmp_path / "v2.json").read_text())["version"] == 2 and again == model
+
+
+def test_version_1_profile_with_falling_intercepts_loads_and_says_so(tmp_path):
+    # the shipped 12-slot link profile of version 1: a(0) = 6.08 ms down to a(7) = 0
+    falling = [0.00608, 0.00329, 0.00207, 0.00092, 0.00033, 0.0005, 0.00024, 0.0]
+    model = CostModel.load(write(tmp_path, {**V1, "intercepts": falling}))
+    assert not model.monotone and model.intercepts == tuple(falling)
+    assert model.quality["verdict"] == "unassessed"
+    assert "intercepts fall with n (a(1) = 3.29 ms < a(0) = 6.08 ms)" in model.quality["reasons"][1]
+
+
+@pytest.mark.parametrize("path", sorted(REFERENCE.parent.glob("embedded-*.json")), ids=lambda p: p.name)
+def test_shipped_reference_profiles_load(path):
+    model = CostModel.load(path)
+    assert model.max_nodes >= 7 and model.meta["model_id"] == "specfit/embedded-qwen3-moe"
+    if json.loads(path.read_text())["version"] == 2:
+        assert model.monotone and model.draft_levels >= 1 and model.quality["verdict"] in ("good", "poor")
 
 
 def write(tmp_path, text):
@@ -159,8 +288,8 @@ def write(tmp_path, text):
     return path
 
 
-GOOD = {"format": "specfit-cost-model", "version": 1, "units": "seconds", "intercepts": [0.1, 0.2], "beta": 2e-4,
-        "slots": 48}
+GOOD = {"format": "specfit-cost-model", "version": 2, "units": "seconds", "intercepts": [0.1, 0.2], "beta": 2e-4,
+        "draft_level_seconds": [0.01, 0.02], "slots": 48}
 
 
 @pytest.mark.parametrize(
@@ -174,7 +303,12 @@ GOOD = {"format": "specfit-cost-model", "version": 1, "units": "seconds", "inter
         ({**GOOD, "beta": -1}, "field 'beta' must be a non-negative number, got -1"),
         ({**GOOD, "beta": True}, "field 'beta' must be a non-negative number, got True"),
         ({**GOOD, "format": "other"}, "field 'format' is 'other', expected 'specfit-cost-model'"),
-        ({**GOOD, "version": 2}, "field 'version' is 2, expected 1"),
+        ({**GOOD, "version": 3}, "field 'version' is 3, expected 1 or 2 .a newer profile needs a newer specfit"),
+        ({**GOOD, "version": True}, "field 'version' is True"),
+        ({k: v for k, v in GOOD.items() if k != "draft_level_seconds"}, "missing field 'draft_level_seconds'"),
+        ({**GOOD, "draft_level_seconds": 0.01}, "field 'draft_level_seconds' must be a list"),
+        ({**GOOD, "draft_level_seconds": [0.05, 0.06]}, "'draft_level_seconds' sums to 0.11 s, more than the smallest"),
+        ({**GOOD, "quality": {"verdict": "fine"}}, "field 'quality' must be an object whose 'verdict' is one of"),
         ({**GOOD, "units": "ms"}, "field 'units' is 'ms', expected 'seconds'"),
     ],
 )

@@ -128,7 +128,7 @@ def test_cache_aware_cost_is_lossless_and_needs_its_fit():
                    cost_model=COST, cost="cache-aware")
     with pytest.raises(ValueError, match="cache-aware"):
         model.generate(PROMPT, max_new_tokens=3, assistant="specfit")
-    fitted, _ = calibrate(model, [PROMPT], probes=24, warmup=1, max_new_tokens=40)
+    fitted = calibrate(model, [PROMPT], probes=24, warmup=1, max_new_tokens=40).cost
     assert fitted.meta["cache_aware"]["beta"] >= 0
     model.specfit.cost_model = fitted
     expected = tiny_moe().generate(PROMPT, max_new_tokens=20, do_sample=False)

@@ -122,7 +122,7 @@ def _report(rows: list[Row], args) -> str:
 def _ensure_profile(model, tokenizer) -> None:
     """SpecFit needs a cost profile for this machine, slot count, cache mode and link; calibrate one if missing."""
     from . import datasets
-    from .calibrate import PROBES, calibrate, describe
+    from .calibrate import PROBES, calibrate, describe, install
     from ..selection.cost_model import profile_path
     from ..selection.profiles import find_profile, profile_key
 
@@ -131,9 +131,9 @@ def _ensure_profile(model, tokenizer) -> None:
     print(f"no cost profile for {profile_key(model)}: calibrating (GSM8K train questions as probes)")
     prompts = [tokenizer(datasets.GSM8K_PROMPT.format(question=r["question"]), return_tensors="pt").input_ids
                for r in datasets.gsm8k("train", PROBES["num_prompts"])]
-    cost, _ = calibrate(model, prompts)
-    cost.save(profile_path(**profile_key(model)))
+    cost = calibrate(model, prompts).cost
     print(describe(cost))
+    install(cost, profile_path(**profile_key(model)))  # a poor fit is used for this run but not installed
     model.specfit.cost_model = cost
 
 

@@ -1,92 +1,270 @@
-"""``specfit calibrate``: fit the cycle-time model ``intercepts[n] + beta * demand`` on this machine.
+"""``specfit calibrate``: fit the cycle-time model ``intercepts[n] + beta * demand`` on this machine, check it, and
+install it where ``specfit.enable`` finds it only if it is good enough.
 
-A probe is one real decoding cycle in which the verified subtree is a random ancestor-closed subset of the full
-draft pool (``calibration/probes.json`` defines the probe and its defaults). Each probe yields a record
-(nodes verified, expert demand of the verify forward, timed seconds, with the drafting part replaced by its mean over all probes); ``CostModel.fit`` solves the NNLS problem and
-the profile is written to the user cache, where ``specfit.enable`` finds it.
+A probe *configuration* is one real decoding cycle whose verified subtree was chosen for the fit, not by a selector:
+its size ``n`` comes from a balanced schedule over ``0..max_nodes`` and its demand from a scheduled quantile (lowest,
+highest or random) of ``candidates`` random ancestor-closed subtrees of that size, so node counts and demand vary
+independently. The choice needs the routes of every pool node, which the route oracle measures, untimed.
+
+The run has ``1 + repeats`` rounds over the same prompts. Round 0 *plans*: it decodes each prompt with the oracle
+and records every cycle's pool and chosen subtree. Rounds 1..repeats *replay* the plan without the oracle: each
+generate() starts from an empty slot cache, and greedy decoding is deterministic, so a configuration's cycle is the
+same cycle in every round: same pool, same subtree, same cache state. Each round visits the prompts in a new random
+order, so a configuration's repeats are spread over the whole run and a slow drift of the machine hits every
+configuration alike. A record is the configuration's *fastest* repeat (``STATISTIC``: load on a shared machine only
+ever adds time). Drafting does not depend on the subtree (every probe drafts the full pool), so each record carries
+the drafting time of the median configuration plus its own time after drafting; the drafting time of each level is
+measured too (``draft_level_seconds``).
+
+``CostModel.fit`` solves the monotone NNLS problem; ``specfit.selection.fit_quality`` cross-validates it,
+bootstraps intervals, checks the selector's choices on the planned pools, and gates it. ``calibration/probes.json``
+holds the defaults.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
+import sys
 import time
+import warnings
 from importlib.resources import files
+from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..decoding.assistants import Eagle3Generator
+from ..drafting.tree import DraftTree
 from ..selection.cost_model import CostModel, Record, profile_path
+from ..selection.fit_quality import REMEDY, Pool, assess
 from ..selection.profiles import device_name, model_id
+from ..selection.route_sources import oracle_routes
 
 PROBES = json.loads(files("specfit.calibration").joinpath("probes.json").read_text())
+# The statistic kept per configuration: its fastest repeat. Interference from other work only ever adds time (a
+# descheduled thread, evicted caches), so the noise is one-sided; measured on a shared 2-core machine (embedded model,
+# 12 slots, 0.28 ms link, 240 configurations x 5 repeats), a repeat took a median 1.17x and at the 90th percentile
+# 2.2x its configuration's fastest, and whole rounds ran 14 to 22 ms per cycle. The minimum of 3 fitted with R^2
+# 0.96 (misses) where the median of 3 reached 0.75 and the median of 5 0.76.
+STATISTIC = "min"
+STABILITY_POOLS = 64  # recorded pools the selector-stability check uses (spread over the run)
+READ_THE_PLOT = ("how to read the plot: one point per probe configuration (its fastest repeat); filled dots are "
+                 "the fit, hollow circles the same probes predicted by a fit that held them out; on the dashed "
+                 "diagonal a prediction is exact, and hollow circles far wider than the dots mean the fit does not "
+                 "generalise")
 
 
-class ProbeGenerator(Eagle3Generator):
-    """Drafts the full pool, then verifies a random ancestor-closed subtree of uniform random size."""
+class Planned(NamedTuple):
+    tokens: tuple[int, ...]  # the pool's tokens, to check that a replay drafted the same pool
+    parents: tuple[int, ...]  # the pool's shape
+    nodes: tuple[int, ...]  # the verified subtree
 
-    def __init__(self, model, rng: random.Random):
+
+class Calibration(NamedTuple):
+    cost: CostModel
+    records: list[Record]  # one per probe configuration (its fastest repeat), as fitted
+    heldout_seconds: np.ndarray  # [records] each record predicted by the cross-validation fold that held it out
+
+
+class PlanningProbe(Eagle3Generator):
+    """Round 0: drafts the full pool, asks the oracle for its routes (untimed) and verifies a subtree of scheduled
+    size and demand quantile; records the plan and the pool."""
+
+    def __init__(self, model, rng: random.Random, schedule, candidates: int):
         super().__init__(model)
-        self.rng = rng
+        self.rng, self.schedule, self.candidates = rng, schedule, candidates
+        self.plan: list[Planned] = []
+        self.pools: list[Pool] = []
 
     def select(self, tree, cycle):
-        want = self.rng.randint(0, min(self.max_nodes, len(tree)))
-        chosen: list[int] = []
-        frontier = [v for v in range(len(tree)) if tree.parents[v] < 0]
-        while len(chosen) < want and frontier:
-            v = frontier.pop(self.rng.randrange(len(frontier)))
-            chosen.append(v)
-            frontier += [c for c in range(len(tree)) if tree.parents[c] == v]
-        return tuple(sorted(chosen))
+        node_routes, root_routes = oracle_routes(cycle, tree)  # [N, L, E], [L, E]
+        size, quantile = next(self.schedule)
+        size = min(size, len(tree))
+        subtrees = sorted({random_subtree(tree.parents, size, self.rng) for _ in range(self.candidates)})
+        demand = [int((root_routes | node_routes[list(s)].any(0)).sum()) if s else int(root_routes.sum())
+                  for s in subtrees]
+        ranked = [s for _, s in sorted(zip(demand, subtrees))]
+        chosen = ranked[min(len(ranked) - 1, int(quantile * len(ranked)))]
+        self.plan.append(Planned(tuple(tree.tokens), tuple(tree.parents), chosen))
+        self.pools.append(Pool(tuple(tree.parents), tuple(tree.path_probs), node_routes.astype(bool),
+                               root_routes.astype(bool)))
+        return chosen
 
 
-def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"], seed: int = PROBES["seed"],
-              warmup: int = PROBES["warmup_cycles"], max_new_tokens: int = PROBES["max_new_tokens"],
-              progress=None) -> tuple[CostModel, list[Record]]:
-    """Run probes on an enabled model (with a drafter) over ``prompts`` ([1, P] token ids) until ``probes`` records
-    are collected after ``warmup`` cycles per prompt; return the fitted model and the records."""
+class ReplayProbe(Eagle3Generator):
+    """Rounds 1..repeats: the planned cycles again, without the oracle; times every drafted level. A cycle whose
+    pool differs from the plan (decoding that is not deterministic, e.g. a drafter that samples) is marked diverged
+    and verifies the planned nodes if the pool has the planned shape, else a random subtree of the planned size."""
+
+    def __init__(self, model, plan: list[Planned], rng: random.Random):
+        super().__init__(model)
+        self.plan, self.rng = plan, rng
+        self.level_seconds: list[list[float]] = []  # per cycle: seconds of each drafted level
+        self.diverged: list[bool] = []
+
+    def draft(self, cycle):
+        tree, times = DraftTree(), []
+        start = time.perf_counter()
+        for tree in self.drafter.levels():
+            now = time.perf_counter()
+            times.append(now - start)
+            start = now
+        self.level_seconds.append(times)
+        return tree
+
+    def select(self, tree, cycle):
+        i = len(self.diverged)
+        planned = self.plan[i] if i < len(self.plan) else None
+        self.diverged.append(planned is None or planned.tokens != tuple(tree.tokens))
+        if planned is not None and planned.parents == tuple(tree.parents):
+            return planned.nodes
+        size = len(planned.nodes) if planned is not None else self.rng.randint(0, self.max_nodes)
+        return random_subtree(tree.parents, min(size, len(tree)), self.rng)
+
+
+def random_subtree(parents, size: int, rng: random.Random) -> tuple[int, ...]:
+    """An ancestor-closed subset of ``size`` pool nodes, grown from the root by adding random frontier nodes."""
+    children = [[] for _ in parents]
+    frontier = []
+    for v, p in enumerate(parents):
+        (frontier if p < 0 else children[p]).append(v)
+    chosen: list[int] = []
+    while len(chosen) < size and frontier:
+        v = frontier.pop(rng.randrange(len(frontier)))
+        chosen.append(v)
+        frontier += children[v]
+    return tuple(sorted(chosen))
+
+
+def schedule(rng: random.Random, max_nodes: int):
+    """Endless (size, demand quantile) pairs: every size once per block of ``max_nodes + 1``, in random order; the
+    quantile is the lowest, the highest or a random one, a third of the time each."""
+    while True:
+        sizes = list(range(max_nodes + 1))
+        rng.shuffle(sizes)
+        for size in sizes:
+            yield size, rng.choice((0.0, 1.0, rng.random()))
+
+
+def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"], repeats: int = PROBES["repeats"],
+              seed: int = PROBES["seed"], warmup: int = PROBES["warmup_cycles"],
+              max_new_tokens: int = PROBES["max_new_tokens"], candidates: int = PROBES["candidates"],
+              bootstrap: int = PROBES["bootstrap"], folds: int = PROBES["folds"], gate: dict | None = None,
+              progress=None) -> Calibration:
+    """Run the probes on an enabled model (with a drafter) over ``prompts`` ([1, P] token ids): ``probes``
+    configurations after ``warmup`` cycles per prompt, each timed ``repeats`` times; fit, assess and return them.
+
+    ``progress``, if given, is called as ``progress(done, total)`` in generate() calls."""
+    for name, value, low in (("probes", probes, 10), ("repeats", repeats, 1), ("candidates", candidates, 1),
+                             ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     runtime = model.specfit
+    max_nodes = runtime.options.max_nodes
     rng = random.Random(seed)
-    records: list[Record] = []
-    cycles = []
-    runtime.stats.trace = []
-    try:
-        while len(records) < probes:
-            for ids in prompts:
-                runtime.stats.trace = []
-                model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                               assistant=lambda m: ProbeGenerator(m, rng))
-                before = len(records)
-                cycles += runtime.stats.trace[warmup:]
-                del cycles[probes:]
-                records = _records(cycles)
-                if progress is not None:
-                    progress.update(len(records) - before)
-                if len(records) >= probes:
-                    break
-            if not records:
-                raise RuntimeError("calibration produced no records: prompts ended before the warm-up cycles")
-    finally:
-        runtime.stats.trace = None
+    sizes = schedule(rng, max_nodes)
+    report = progress or (lambda done, total: None)
+
+    plans: list[tuple[int, list[Planned]]] = []  # (prompt index, its cycles)
+    pools: list[Pool] = []
+    configs = 0
+    while configs < probes:
+        before = configs
+        for i, ids in enumerate(prompts):
+            probe = PlanningProbe(model, rng, sizes, candidates)
+            _generate(model, ids, probe, max_new_tokens)
+            plans.append((i, probe.plan))
+            pools += probe.pools[warmup:]
+            configs += max(0, len(probe.plan) - warmup)
+            report(len(plans), None)
+            if configs >= probes:
+                break
+        if configs == before:
+            raise RuntimeError("calibration produced no probes: every prompt ended within the warm-up cycles; use "
+                               "longer generations (--max-new-tokens) or other prompts")
+
+    timed: dict[tuple[int, int], list] = {}  # (plan, cycle) -> [(CycleRecord, level seconds, diverged)] per round
+    order = list(range(len(plans)))
+    for r in range(repeats):
+        rng.shuffle(order)
+        for k, j in enumerate(order):
+            i, plan = plans[j]
+            probe = ReplayProbe(model, plan, rng)
+            trace = _generate(model, prompts[i], probe, max_new_tokens)
+            for c, run in enumerate(zip(trace, probe.level_seconds, probe.diverged)):
+                if c >= warmup:
+                    timed.setdefault((j, c), []).append(run)
+            report(len(plans) * (r + 1) + k + 1, len(plans) * (repeats + 1))
+
+    keys = [(j, c) for j, (_, plan) in enumerate(plans) for c in range(warmup, len(plan))][:probes]
+    kept = [[(c, levels) for c, levels, _ in timed[key]] for key in keys if _agree(timed.get(key, []), repeats)]
+    matched = len(kept) >= max(10, len(keys) // 2)
+    if not matched:
+        warnings.warn(f"only {len(kept)} of {len(keys)} probe configurations replayed identically in all {repeats} "
+                      f"rounds: decoding is not deterministic here (the same prompt drafted other pools, e.g. a "
+                      f"drafter that samples), so every timed cycle is fitted on its own, without the fastest of its "
+                      f"repeats; expect a noisier fit", RuntimeWarning, stacklevel=2)
+        kept = [[(c, levels)] for key in keys for c, levels, _ in timed.get(key, [])]
+    # each configuration's fastest repeat (see STATISTIC); drafting: the median configuration's fastest drafting
+    draft = statistics.median(min(c.draft_seconds for c, _ in runs) for runs in kept)
+    post = [min(c.seconds - c.draft_seconds for c, _ in runs) for runs in kept]
+    records = [Record(runs[0][0].n_nodes, runs[0][0].demand, draft + p) for runs, p in zip(kept, post)]
+    on_misses = [Record(runs[0][0].n_nodes, runs[0][0].misses, draft + p) for runs, p in zip(kept, post)]
+    levels = _level_seconds([[levels for _, levels in runs] for runs in kept])
+
     meta = dict(device=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,
-                cache_mode=runtime.config.cache_mode, link=runtime.link_label, probe="specfit.calibrate/probes.json")
+                cache_mode=runtime.config.cache_mode, link=runtime.link_label, probe="specfit.calibrate/probes.json",
+                probes=dict(configs=len(records), dropped=len(keys) - len(kept) if matched else None,
+                            repeats_matched=matched, repeats=repeats,
+                            candidates=candidates, warmup_cycles=warmup, max_new_tokens=max_new_tokens, seed=seed,
+                            median_draft_seconds=draft),
+                torch_threads=torch.get_num_threads())
     # the same probes fitted on expert *misses*: the cache-aware cost option (resident experts are free)
     try:
-        on_misses = CostModel.fit(_records(cycles, use_misses=True), max_nodes=runtime.options.max_nodes)
-        meta["cache_aware"] = dict(intercepts=list(on_misses.intercepts), beta=on_misses.beta,
-                                   r2=on_misses.meta["r2"])
+        misses_fit = CostModel.fit(on_misses, max_nodes=max_nodes, draft_level_seconds=levels)
+        checked, _ = assess(on_misses, max_nodes, levels, folds=folds, bootstrap=max(20, bootstrap // 4), seed=seed)
+        meta["cache_aware"] = dict(intercepts=list(misses_fit.intercepts), beta=misses_fit.beta,
+                                   draft_level_seconds=list(levels), r2=misses_fit.meta["r2"],
+                                   heldout_r2=checked["heldout_r2"], beta_interval_s=checked["beta_interval_s"])
     except ValueError as err:  # e.g. every expert resident: misses never vary
         meta["cache_aware"] = None
         meta["cache_aware_error"] = str(err)
-    return CostModel.fit(records, max_nodes=runtime.options.max_nodes, **meta), records
+    chosen_pools = pools[:: max(1, len(pools) // STABILITY_POOLS)][:STABILITY_POOLS]
+    quality, heldout = assess(records, max_nodes, levels, folds=folds, bootstrap=bootstrap, seed=seed,
+                              pools=chosen_pools, gate=gate if gate is not None else PROBES["gate"])
+    cost = CostModel.fit(records, max_nodes=max_nodes, draft_level_seconds=levels, quality=quality, **meta)
+    return Calibration(cost, records, heldout)
 
 
-def _records(cycles, use_misses: bool = False) -> list[Record]:
-    """Probes always draft the full pool, so drafting time does not depend on the verified subtree: each record
-    carries the MEAN drafting time plus its own post-drafting time. Same expectation, far less noise for beta."""
-    draft = sum(c.draft_seconds for c in cycles) / len(cycles) if cycles else 0.0
-    return [Record(c.n_nodes, c.misses if use_misses else c.demand, draft + c.seconds - c.draft_seconds)
-            for c in cycles]
+def _generate(model, ids, probe, max_new_tokens) -> list:
+    """One greedy generate() with the probe as the assistant, from an empty slot cache; its cycles' records."""
+    runtime = model.specfit
+    runtime.clear_cache()
+    runtime.stats.trace = []
+    try:
+        model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant=lambda m: probe)
+        return runtime.stats.trace
+    finally:
+        runtime.stats.trace = None
+
+
+def _agree(runs, repeats: int) -> bool:
+    """A configuration counts when every round replayed it as planned, on the same subtree, demand and misses."""
+    return (len(runs) == repeats and not any(diverged for _, _, diverged in runs)
+            and len({(c.n_nodes, c.demand, c.misses) for c, _, _ in runs}) == 1)
+
+
+def _level_seconds(per_config: list[list[list[float]]]) -> tuple[float, ...]:
+    """Drafting time of each level: per configuration its fastest repeat, then the median over configurations, for
+    as many levels as most cycles drafted."""
+    if not per_config:
+        return ()
+    depth = statistics.mode(len(levels) for repeats in per_config for levels in repeats)
+    return tuple(statistics.median(min(levels[d] for levels in repeats) for repeats in per_config
+                                   if all(len(levels) > d for levels in repeats)) for d in range(depth))
 
 
 # --- the command ------------------------------------------------------------------------------------------------
@@ -99,14 +277,22 @@ def add_arguments(p) -> None:
                    help="gsm8k (default, as in the paper), cnn, random (token ids; for checkpoints without a "
                         "tokenizer), or a local .jsonl with a 'question' or 'text' field")
     p.add_argument("--num-prompts", type=int, default=PROBES["num_prompts"])
-    p.add_argument("--probes", type=int, default=PROBES["probes"], help="timed cycles to record")
+    p.add_argument("--probes", type=int, default=PROBES["probes"],
+                   help=f"probe configurations (cycles) to fit on (default {PROBES['probes']})")
+    p.add_argument("--repeats", type=int, default=PROBES["repeats"],
+                   help=f"timed repeats of each configuration; its fastest is fitted (default {PROBES['repeats']})")
+    p.add_argument("--bootstrap", type=int, default=PROBES["bootstrap"], help="bootstrap refits for the intervals")
     p.add_argument("--max-new-tokens", type=int, default=PROBES["max_new_tokens"])
     p.add_argument("--link-ms", type=float, default=None, help="emulated host link: milliseconds per expert copy")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default on a CPU device: 1, as `specfit bench` and `demo` use; more "
+                        "threads fight other jobs for the cores and make the timer noisy)")
     p.add_argument("--seed", type=int, default=PROBES["seed"])
     p.add_argument("--out", default=None, help="profile path (default: the user cache, where enable() looks)")
+    p.add_argument("--force", action="store_true",
+                   help="install the profile even when the fit fails the quality gate (enable() will warn)")
     p.add_argument("--plot", default=None,
                    help="PNG of predicted vs measured cycle time (default: beside the profile; needs matplotlib)")
 
@@ -114,36 +300,106 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     from tqdm.auto import tqdm
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     t0 = time.perf_counter()
     model, tokenizer = _load(args)
     print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif model.specfit.device.type == "cpu":
+        torch.set_num_threads(1)  # see --threads: the default that keeps the timer quiet on a shared CPU
     prompts = _prompt_ids(args, tokenizer, model)
-    with tqdm(total=args.probes, desc="calibration probes", unit="cycle") as bar:
-        cost, records = calibrate(model, prompts, probes=args.probes, seed=args.seed,
-                                  max_new_tokens=args.max_new_tokens, progress=bar)
-    path = args.out or profile_path(cost.meta["device"], cost.meta["model_id"], cost.meta["slots"],
-                                    cost.meta["cache_mode"])
-    cost.save(path)
+    with tqdm(desc="calibration (planning round, then timed rounds)", unit="generate") as bar:
+        def progress(done, total):
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        result = calibrate(model, prompts, probes=args.probes, repeats=args.repeats, seed=args.seed,
+                           max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress)
+    cost = result.cost
+    path = Path(args.out or profile_path(cost.meta["device"], cost.meta["model_id"], cost.meta["slots"],
+                                         cost.meta["cache_mode"]))
     print(describe(cost))
-    print(f"profile written to {path}")
-    plot_fit(cost, records, args.plot or str(path).removesuffix(".json") + ".png")
-    return 0
+    written = install(cost, path, force=args.force)
+    installed = written == path
+    beside = str(path).removesuffix(".json") + ("" if installed else ".rejected") + ".png"
+    plot_fit(result, args.plot or beside)
+    return 0 if installed else 3
+
+
+def install(cost: CostModel, path, force: bool = False) -> Path:
+    """Write the profile to ``path`` unless its fit is poor, in which case it goes to ``path + ".rejected"`` (a
+    name neither ``enable()`` nor the reference lookup reads), a loud refusal with the remedy is printed, and
+    whatever was at ``path`` stays. ``force`` installs a poor profile anyway (``enable()`` warns when it loads it).
+    Returns the path written."""
+    path = Path(path)
+    quality = cost.quality or {}
+    if quality.get("verdict") != "poor":
+        cost.save(path)
+        print(f"profile written to {path}")
+        return path
+    reasons = "".join(f"\n  - {reason}" for reason in quality.get("reasons", []))
+    if force:
+        cost.save(path)
+        print(f"WARNING: the fit is unreliable and was installed anyway (--force) at {path}:{reasons}\n"
+              f"  SpecFit will warn whenever it loads it. Remedy: {REMEDY}.", file=sys.stderr)
+        return path
+    rejected = path.with_name(path.name + ".rejected")
+    cost.save(rejected)
+    print(f"\nCALIBRATION REFUSED: the fit is unreliable, so it was NOT installed at {path}:{reasons}\n"
+          f"  Remedy: {REMEDY}.\n"
+          f"  The rejected profile is at {rejected} for inspection; rerun with --force to install it anyway.\n",
+          file=sys.stderr)
+    return rejected
 
 
 def describe(cost: CostModel) -> str:
-    m = cost.meta
+    m, q = cost.meta, cost.quality or {}
+
+    def num(x, scale=1.0, digits=3):
+        return "n/a" if x is None else f"{x * scale:.{digits}f}"
+
+    def ms(values, digits=2):
+        return " ".join(num(v, 1e3, digits) for v in values)
+
     lines = [f"device      {m.get('device')}", f"model       {m.get('model_id')}",
              f"slots       {m.get('slots')} ({m.get('cache_mode')})", f"link        {m.get('link')}",
              f"beta        {cost.beta * 1e3:.4f} ms per expert of demand",
-             "intercepts  " + " ".join(f"{a * 1e3:.2f}" for a in cost.intercepts) + " ms (n = 0..)",
-             f"fit         R^2 {m.get('r2', float('nan')):.3f}, rms residual "
-             f"{m.get('rms_residual_s', float('nan')) * 1e3:.2f} ms over {m.get('n_records')} probes"]
+             f"intercepts  {ms(cost.intercepts)} ms (n = 0..)",
+             f"drafting    {ms(cost.draft_level_seconds)} ms per level (1..), included in every intercept"
+             if cost.draft_levels else "drafting    not modelled per level",
+             f"fit         R^2 {num(m.get('r2'))}, rms residual {num(m.get('rms_residual_s'), 1e3, 2)} ms over "
+             f"{m.get('n_records')} probe configurations"]
+    aware = m.get("cache_aware")
+    if aware:
+        lines.append(f"cache-aware {aware['beta'] * 1e3:.4f} ms per expert copy (miss), R^2 {num(aware.get('r2'))} "
+                     f"(held out {num(aware.get('heldout_r2'))}); intercepts {ms(aware['intercepts'])} ms (the fit on "
+                     f"misses, for cost='cache-aware')")
+    if q.get("verdict") in ("good", "poor"):
+        width = q.get("beta_halfwidth")
+        lines += [f"held out    R^2 {num(q.get('heldout_r2'))}, rms {num(q.get('heldout_rms_s'), 1e3, 2)} ms "
+                  f"({q.get('folds')}-fold cross-validation)",
+                  f"bootstrap   beta 95% [{ms(q['beta_interval_s'], 4).replace(' ', ', ')}] ms "
+                  f"({'unbounded' if width is None else f'+-{100 * width:.0f}%'}); intercepts "
+                  + " ".join(f"[{ms(pair).replace(' ', ', ')}]" for pair in q.get("intercept_intervals_s", []))
+                  + " ms"]
+        if q.get("choice_change_rate") is not None:
+            lines.append(f"selector    choice changes on {100 * q['choice_change_rate']:.1f}% of (pool, bootstrap "
+                         f"fit) pairs over {q.get('pools')} recorded pools, losing {100 * q['choice_loss']:.2f}% of "
+                         f"the predicted tokens per second on average")
+        limit = q.get("gate", {}).get("max_beta_halfwidth")
+        if q["verdict"] == "good" and limit is not None and (width is None or width > limit):
+            lines.append(f"note        beta's interval is wider than +-{100 * limit:.0f}%, but the choices it moves "
+                         f"lose little (see fit_quality's gate, rule 2)")
+        lines.append(f"verdict     {q['verdict'].upper()}" + "".join(f"\n            - {r}" for r in q["reasons"]))
+    elif q:
+        lines.append(f"verdict     {q.get('verdict')}: " + "; ".join(q.get("reasons", [])))
     return "\n".join(lines)
 
 
-def plot_fit(cost: CostModel, records, path) -> None:
+def plot_fit(result: Calibration, path) -> None:
     try:
         import matplotlib
 
@@ -152,18 +408,29 @@ def plot_fit(cost: CostModel, records, path) -> None:
     except ImportError:
         print("matplotlib is not installed (pip install 'specfit[plot]'): no plot written")
         return
+    cost, records = result.cost, result.records
     measured = [r.seconds * 1e3 for r in records]
     predicted = [cost.predict(r.n_nodes, r.demand) * 1e3 for r in records]
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    ax.scatter(predicted, measured, s=8, c=[r.n_nodes for r in records], cmap="viridis")
-    top = max(measured + predicted)
-    ax.plot([0, top], [0, top], "k--", lw=1)
+    heldout = [s * 1e3 for s in result.heldout_seconds]
+    q = cost.quality or {}
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(heldout, measured, s=22, facecolors="none", edgecolors="tab:red", lw=0.7,
+               label=f"held out ({q.get('folds', '?')}-fold)")
+    dots = ax.scatter(predicted, measured, s=8, c=[r.n_nodes for r in records], cmap="viridis", label="fitted")
+    fig.colorbar(dots, ax=ax, label="draft nodes verified (n)", shrink=0.8)
+    lo, hi = min(measured + predicted + heldout), max(measured + predicted + heldout)
+    ax.plot([lo, hi], [lo, hi], "k--", lw=1)
     ax.set_xlabel("predicted cycle time (ms)")
-    ax.set_ylabel("measured cycle time (ms)")
-    ax.set_title(f"beta = {cost.beta * 1e3:.3f} ms/expert, R² = {cost.meta.get('r2', 0):.3f}")
+    ax.set_ylabel("measured cycle time (ms, fastest of the repeats)")
+    held = q.get("heldout_r2")
+    ax.set_title(f"beta {cost.beta * 1e3:.3f} ms/expert, R² {cost.meta.get('r2') or 0:.3f}, held-out R² "
+                 f"{'n/a' if held is None else f'{held:.3f}'}\nverdict: {q.get('verdict', 'n/a')}", fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     print(f"plot written to {path}")
+    print(READ_THE_PLOT)
 
 
 def _load(args):

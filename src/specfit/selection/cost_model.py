@@ -2,11 +2,18 @@
 
 ``n`` is the number of draft nodes a cycle verifies (the root token not counted) and ``demand`` the expert demand,
 ``sum over layers of |union of the experts the verified tokens route to|``. ``intercepts[n]`` holds everything that
-does not scale with experts (attention, dense layers, launch overhead); ``beta`` is the time per expert of demand
-(mostly host-to-device copies of the experts the slot cache misses). Both are fitted once per device, model, slot
-count and cache mode by non-negative least squares on calibration probes, and frozen in a JSON *profile*.
+does not scale with experts (drafting, attention, dense layers, launch overhead); ``beta`` is the time per expert of
+demand (mostly host-to-device copies of the experts the slot cache misses). Both are fitted once per device, model,
+slot count and cache mode on calibration probes, and frozen in a JSON *profile*.
 
-No torch here; the probes that produce the records are defined in ``specfit.evaluation.calibrate``.
+Two rules shape the fit. Verifying more nodes cannot be cheaper at equal demand, so the intercepts never fall with
+``n``: the fit solves non-negative least squares on the *increments* ``intercepts[n] - intercepts[n - 1] >= 0``.
+And drafting is paid per level actually drafted: ``draft_level_seconds[l]`` is the time of drafting level ``l + 1``,
+measured by the probes, which draft every level; ``intercepts`` include all of them, and ``predict(..., levels=L)``
+(or ``at_levels(L)``, a model the selector takes as it is) charges only the first ``L``.
+
+No torch here; the probes that produce the records are defined in ``specfit.evaluation.calibrate``, and the checks of
+a fit's quality in ``specfit.selection.fit_quality``.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ import numpy as np
 
 from ..offload.config import CACHE_MODES
 
-__all__ = ["CostModel", "Record", "ProfileError", "profile_dir", "profile_path", "FORMAT", "VERSION"]
+__all__ = ["CostModel", "Record", "ProfileError", "profile_dir", "profile_path", "FORMAT", "VERSION", "VERDICTS"]
 
 FORMAT = "specfit-cost-model"
-VERSION = 1
-_RESERVED = ("format", "version", "units", "intercepts", "beta")
+VERSION = 2  # 2: monotone intercepts, per-level drafting times, a recorded fit quality; version 1 still loads
+VERDICTS = ("good", "poor", "unassessed")  # meta["quality"]["verdict"]; "unassessed": a version-1 profile
+_RESERVED = ("format", "version", "units", "intercepts", "beta", "draft_level_seconds")
+_TOLERANCE = 1e-12  # seconds: rounding slack when checking that intercepts cover the drafting
 
 
 class ProfileError(ValueError):
@@ -48,19 +57,26 @@ class CostModel:
     """Predicted cycle time ``intercepts[n_nodes] + beta * demand``, in seconds.
 
     Attributes:
-        intercepts: fixed time of a cycle verifying ``n`` draft nodes, for ``n = 0 .. len(intercepts) - 1``.
+        intercepts: fixed time of a cycle verifying ``n`` draft nodes, for ``n = 0 .. len(intercepts) - 1``, when
+            the drafter drafts ``draft_levels`` levels (what the calibration probes drafted; all of them).
         beta: seconds per expert of demand.
         meta: provenance, stored next to the numbers in the profile (device, model_id, slots, cache_mode, fit
-            quality, date, ...); JSON-serialisable values.
+            quality, date, ...); JSON-serialisable values. ``meta["quality"]``, when present, is the calibration's
+            verdict on the fit (see ``specfit.selection.fit_quality``).
+        draft_level_seconds: seconds of drafting level ``1, 2, ..`` each (empty: drafting is not modelled per level,
+            and ``levels`` cannot be asked for). Every intercept includes all of them.
 
-    >>> m = CostModel(intercepts=(0.10, 0.11, 0.12), beta=0.2e-3)
-    >>> round(m.predict(2, demand=500), 6)      # 0.12 + 500 * 0.0002
+    >>> m = CostModel(intercepts=(0.10, 0.11, 0.12), beta=0.2e-3, draft_level_seconds=(0.002, 0.004, 0.004))
+    >>> round(m.predict(2, demand=500), 6)      # 0.12 + 500 * 0.0002: all three levels drafted
     0.22
+    >>> round(m.predict(2, demand=500, levels=1), 6)   # level 2 and 3 not drafted: 0.008 s less
+    0.212
     """
 
     intercepts: tuple[float, ...]
     beta: float
     meta: dict = field(default_factory=dict, hash=False)
+    draft_level_seconds: tuple[float, ...] = ()
 
     def __post_init__(self):
         intercepts = tuple(_number(a, f"intercepts[{i}]") for i, a in enumerate(self.intercepts))
@@ -68,6 +84,11 @@ class CostModel:
             raise ValueError("field 'intercepts' must hold at least one value (n = 0)")
         object.__setattr__(self, "intercepts", intercepts)
         object.__setattr__(self, "beta", _number(self.beta, "beta"))
+        levels = tuple(_number(t, f"draft_level_seconds[{i}]") for i, t in enumerate(self.draft_level_seconds))
+        object.__setattr__(self, "draft_level_seconds", levels)
+        if sum(levels) > min(intercepts) + _TOLERANCE:
+            raise ValueError(f"field 'draft_level_seconds' sums to {sum(levels)!r} s, more than the smallest intercept "
+                             f"({min(intercepts)!r} s); every intercept includes the drafting of all levels")
         if not isinstance(self.meta, dict):
             raise ValueError(f"field 'meta' must be a dict, got {type(self.meta).__name__}")
         clash = [k for k in self.meta if k in _RESERVED]
@@ -79,60 +100,109 @@ class CostModel:
         """The largest node count this model predicts for."""
         return len(self.intercepts) - 1
 
-    def predict(self, n_nodes: int, demand: float) -> float:
-        """Predicted seconds for a cycle verifying ``n_nodes`` draft nodes with ``demand`` experts of demand."""
+    @property
+    def draft_levels(self) -> int:
+        """How many drafted levels the intercepts include (0: drafting is not modelled per level)."""
+        return len(self.draft_level_seconds)
+
+    @property
+    def monotone(self) -> bool:
+        """Whether the intercepts never fall with the node count (every fit since profile version 2 is)."""
+        return all(b >= a for a, b in zip(self.intercepts, self.intercepts[1:]))
+
+    @property
+    def quality(self) -> dict | None:
+        """The calibration's verdict on this fit (``meta["quality"]``), or None for a model that was not assessed."""
+        return self.meta.get("quality")
+
+    def cache_aware(self) -> "CostModel":
+        """The profile's second fit, on expert *misses* instead of demand (experts resident in the slot cache cost
+        nothing): the model for ``cost="cache-aware"``, with the same drafting levels. ``specfit calibrate`` stores
+        it in ``meta["cache_aware"]``.
+
+        >>> m = CostModel((0.02, 0.03), 2e-4, {"cache_aware": {"intercepts": [0.025, 0.03], "beta": 3e-4}})
+        >>> m.cache_aware().beta, m.cache_aware().meta["source"]
+        (0.0003, 'cache-aware fit')
+        """
+        extra = self.meta.get("cache_aware")
+        if not isinstance(extra, dict) or "intercepts" not in extra or "beta" not in extra:
+            raise ValueError("cost='cache-aware' needs a profile fitted on misses too; recalibrate with this version "
+                             "of `specfit calibrate`")
+        levels = extra.get("draft_level_seconds", self.draft_level_seconds)
+        meta = {"source": "cache-aware fit", **{k: v for k, v in extra.items()
+                                                 if k not in ("intercepts", "beta", "draft_level_seconds")}}
+        return CostModel(tuple(extra["intercepts"]), extra["beta"], meta, tuple(levels))
+
+    def drafting_seconds(self, levels: int) -> float:
+        """Time to draft ``levels`` levels: the measured levels, then the last one's time for each deeper level."""
+        if isinstance(levels, bool) or not isinstance(levels, (int, np.integer)) or levels < 0:
+            raise ValueError(f"levels must be an int >= 0, got {levels!r}")
+        if not self.draft_level_seconds:
+            raise ValueError("this cost model does not model drafting per level (no draft_level_seconds; a "
+                             "version-1 profile or a hand-made model): recalibrate with `specfit calibrate`")
+        measured = self.draft_level_seconds
+        return sum(measured[:levels]) + max(0, levels - len(measured)) * measured[-1]
+
+    def at_levels(self, levels: int) -> "CostModel":
+        """The same model for a cycle that drafts ``levels`` levels: every intercept charges those levels instead of
+        the ``draft_levels`` the probes drafted. Pass it to the selector as it is.
+
+        >>> m = CostModel((0.10, 0.11), beta=1e-4, draft_level_seconds=(0.01, 0.02))
+        >>> [round(a, 6) for a in m.at_levels(1).intercepts], m.at_levels(1).draft_levels
+        ([0.08, 0.09], 1)
+        """
+        shift = self.drafting_seconds(levels) - sum(self.draft_level_seconds)
+        extra = self.draft_level_seconds[:levels] + (self.draft_level_seconds[-1],) * max(0, levels - self.draft_levels)
+        return CostModel(tuple(max(a + shift, 0.0) for a in self.intercepts), self.beta, dict(self.meta), extra)
+
+    def predict(self, n_nodes: int, demand: float, levels: int | None = None) -> float:
+        """Predicted seconds for a cycle verifying ``n_nodes`` draft nodes with ``demand`` experts of demand, having
+        drafted ``levels`` levels (None: the ``draft_levels`` the intercepts include). With ``levels=0`` nothing was
+        drafted, so nothing can be verified: ``n_nodes`` must be 0."""
         if not 0 <= n_nodes <= self.max_nodes:
             raise ValueError(f"n_nodes={n_nodes} is outside the fitted range 0..{self.max_nodes}")
-        return self.intercepts[n_nodes] + self.beta * demand
+        fixed = self.intercepts[n_nodes]
+        if levels is not None:
+            if levels == 0 and n_nodes > 0:
+                raise ValueError(f"n_nodes={n_nodes} with levels=0: a cycle that drafts nothing verifies no node")
+            fixed = max(fixed + self.drafting_seconds(levels) - sum(self.draft_level_seconds), 0.0)
+        return fixed + self.beta * demand
 
     @classmethod
-    def fit(cls, records: Iterable, max_nodes: int | None = None, **meta) -> "CostModel":
-        """Fit intercepts and beta to timed cycles by non-negative least squares (``scipy.optimize.nnls``).
+    def fit(cls, records: Iterable, max_nodes: int | None = None, draft_level_seconds=(), **meta) -> "CostModel":
+        """Fit intercepts and beta to timed cycles by non-negative least squares, with intercepts that cannot fall.
 
         Args:
-            records: ``(n_nodes, demand, seconds)`` tuples or ``Record``s.
+            records: ``(n_nodes, demand, seconds)`` tuples or ``Record``s; ``seconds`` includes the drafting of
+                every level (the probes draft them all).
             max_nodes: the last intercept to return; defaults to the largest ``n_nodes`` seen.
+            draft_level_seconds: measured drafting time of each level (see the class); the smallest intercept is
+                held at or above their sum, since every cycle the probes timed paid them.
             **meta: provenance stored in ``meta`` (device, model_id, slots, cache_mode, ...). It may override the
                 fit-quality keys the fit writes (``r2``, ``rms_residual_s``, ``max_abs_residual_s``, ``n_records``,
                 ``observed_nodes``, ``date``), e.g. a fixed ``date`` for a reproducible file.
 
-        The features are a one-hot of the node count and the demand. A node count with no record has no data for
-        its intercept: it is filled by linear interpolation between the nearest observed counts, or beyond the
-        observed range by extending the line through the two nearest observed counts (clamped at 0; flat if only
-        one count was observed). ``meta["observed_nodes"]`` lists the counts that were measured.
+        The unknowns are ``intercepts[n0] - floor`` (``n0`` the smallest observed count, ``floor`` the drafting
+        sum), the increments between consecutive observed counts, and beta, all >= 0 (``scipy.optimize.nnls``): a
+        record at count ``n`` has a 1 for the base, for every increment up to ``n``, and its demand. Fitting
+        increments instead of one free intercept per count keeps NNLS from trading intercepts against beta when
+        demand grows with the count. A count with no record has no data for its intercept: it is filled by linear
+        interpolation between the nearest observed counts, or beyond the observed range by extending the line
+        through the two nearest observed counts (clamped at ``floor``; flat if only one count was observed).
+        ``meta["observed_nodes"]`` lists the counts that were measured.
 
         >>> recs = [(n, d, 0.1 + 0.01 * n + 2e-4 * d) for n in range(3) for d in (100, 300, 600)]
         >>> m = CostModel.fit(recs, date="2025-01-01")
         >>> [round(a, 6) for a in m.intercepts], round(m.beta, 9), m.meta["n_records"]
         ([0.1, 0.11, 0.12], 0.0002, 9)
         """
-        from scipy.optimize import nnls
-
         rows = np.array([tuple(Record(*r)) for r in records], dtype=float).reshape(-1, 3)
+        levels = tuple(_number(t, f"draft_level_seconds[{i}]") for i, t in enumerate(draft_level_seconds))
+        top = None if max_nodes is None else int(max_nodes)
+        intercepts, beta, observed = fit_coefficients(rows, top, floor=sum(levels))
         n_nodes, demand, seconds = rows.T
-        if not np.all(np.isfinite(rows)) or np.any(rows < 0) or np.any(n_nodes != np.round(n_nodes)):
-            raise ValueError("records must be (n_nodes >= 0 integer, demand >= 0, seconds >= 0), all finite")
-        observed = sorted({int(n) for n in n_nodes})
-        if len(rows) < len(observed) + 2:
-            raise ValueError(
-                f"{len(rows)} records are too few to fit {len(observed)} intercepts and beta; "
-                f"give at least {len(observed) + 2}"
-            )
-        if all(np.ptp(demand[n_nodes == n]) == 0 for n in observed):
-            raise ValueError("demand never varies at a fixed node count, so beta cannot be told from the intercepts")
-        top = observed[-1] if max_nodes is None else int(max_nodes)
-        if top < observed[-1]:
-            raise ValueError(f"max_nodes={top} is below the largest node count in the records ({observed[-1]})")
-
-        features = np.zeros((len(rows), len(observed) + 1))
-        features[np.arange(len(rows)), np.searchsorted(observed, n_nodes)] = 1.0
-        features[:, -1] = demand
-        scale = np.linalg.norm(features, axis=0)  # demand is ~1e3 times the one-hot columns; equalise for NNLS
-        coef, _ = nnls(features / scale, seconds)
-        coef = coef / scale
-        residual = seconds - features @ coef
+        residual = seconds - (np.asarray(intercepts)[n_nodes.astype(int)] + beta * demand)
         spread = float(np.sum((seconds - seconds.mean()) ** 2))
-
         quality = {
             "r2": 1.0 - float(residual @ residual) / spread if spread > 0 else None,
             "rms_residual_s": float(np.sqrt(np.mean(residual**2))),
@@ -141,8 +211,7 @@ class CostModel:
             "observed_nodes": observed,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        intercepts = _fill(observed, coef[:-1].tolist(), top)
-        return cls(tuple(intercepts), float(coef[-1]), {**quality, **meta})
+        return cls(tuple(intercepts), beta, {**quality, **meta}, levels)
 
     @classmethod
     def default(cls, max_nodes: int = 7) -> "CostModel":
@@ -156,9 +225,10 @@ class CostModel:
         return cls((0.133,) * (max_nodes + 1), 0.211e-3, {"source": "default"})
 
     def to_json(self) -> dict:
-        """The profile as a JSON object: format tag, version, units, intercepts, beta, then the meta fields."""
-        return {"format": FORMAT, "version": VERSION, "units": "seconds",
-                "intercepts": list(self.intercepts), "beta": self.beta, **self.meta}
+        """The profile as a JSON object: format tag, version, units, intercepts, beta, the drafting time of each
+        level, then the meta fields."""
+        return {"format": FORMAT, "version": VERSION, "units": "seconds", "intercepts": list(self.intercepts),
+                "beta": self.beta, "draft_level_seconds": list(self.draft_level_seconds), **self.meta}
 
     def save(self, path) -> Path:
         """Write the profile to ``path`` (parent folders created; written to a temporary file, then renamed)."""
@@ -174,6 +244,10 @@ class CostModel:
     def load(cls, path, expect: dict | None = None) -> "CostModel":
         """Read a profile; ``expect`` names meta fields that must match, e.g. ``{"slots": 48, "cache_mode": "cached"}``.
 
+        A version-1 profile (before monotone intercepts, per-level drafting and recorded quality) still loads: it
+        models no drafting per level, and its ``meta["quality"]`` says ``"unassessed"`` with the reasons
+        (``specfit.enable`` warns about it).
+
         Raises:
             ProfileError: naming the file and the field, for unreadable JSON, a missing or malformed field, or a
                 mismatch with ``expect``.
@@ -187,27 +261,89 @@ class CostModel:
             raise ProfileError(f"{path}: not valid JSON ({e})") from e
         if not isinstance(data, dict):
             raise ProfileError(f"{path}: a profile is a JSON object, got {type(data).__name__}")
-        for key in _RESERVED:
+        version = data.get("version")
+        if version not in (1, VERSION) or type(version) is not int:
+            raise ProfileError(f"{path}: field 'version' is {version!r}, expected 1 or {VERSION} (a newer profile "
+                               f"needs a newer specfit)" if "version" in data else f"{path}: missing field 'version'")
+        required = _RESERVED if version == VERSION else _RESERVED[:-1]
+        for key in required:
             if key not in data:
                 raise ProfileError(f"{path}: missing field {key!r}")
-        for key, want in (("format", FORMAT), ("version", VERSION), ("units", "seconds")):
+        for key, want in (("format", FORMAT), ("units", "seconds")):
             if data[key] != want or type(data[key]) is not type(want):
                 raise ProfileError(f"{path}: field {key!r} is {data[key]!r}, expected {want!r}")
-        intercepts = data["intercepts"]
-        if not isinstance(intercepts, list) or not intercepts:
-            raise ProfileError(f"{path}: field 'intercepts' must be a non-empty list of numbers, got {intercepts!r}")
+        if not isinstance(data["intercepts"], list) or not data["intercepts"]:
+            raise ProfileError(f"{path}: field 'intercepts' must be a non-empty list of numbers, got "
+                               f"{data['intercepts']!r}")
+        if not isinstance(data.get("draft_level_seconds", []), list):
+            raise ProfileError(f"{path}: field 'draft_level_seconds' must be a list of numbers (one per drafted "
+                               f"level; empty when not measured), got {data['draft_level_seconds']!r}")
+        meta = {k: v for k, v in data.items() if k not in _RESERVED}
+        if version == 1:
+            meta["quality"] = _unassessed(data["intercepts"])
         try:
-            values = [_number(a, f"intercepts[{i}]") for i, a in enumerate(intercepts)]
-            beta = _number(data["beta"], "beta")
+            model = cls(tuple(data["intercepts"]), data["beta"], meta, tuple(data.get("draft_level_seconds", ())))
         except ValueError as e:
             raise ProfileError(f"{path}: {e}") from None
-        meta = {k: v for k, v in data.items() if k not in _RESERVED}
+        quality = meta.get("quality")
+        if quality is not None and (not isinstance(quality, dict) or quality.get("verdict") not in VERDICTS):
+            raise ProfileError(f"{path}: field 'quality' must be an object whose 'verdict' is one of {VERDICTS}, "
+                               f"got {quality!r}")
         for key, want in (expect or {}).items():
             if key not in meta:
                 raise ProfileError(f"{path}: field {key!r} is missing, expected {want!r}")
             if meta[key] != want:
                 raise ProfileError(f"{path}: field {key!r} is {meta[key]!r}, expected {want!r}")
-        return cls(tuple(values), beta, meta)
+        return model
+
+
+def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: float = 0.0):
+    """The monotone NNLS fit behind ``CostModel.fit`` on ``[records, 3]`` rows of (n_nodes, demand, seconds):
+    returns (intercepts for n = 0..max_nodes, beta, observed node counts). Pure numpy + scipy, fast enough to refit
+    hundreds of times (bootstrap, cross-validation)."""
+    from scipy.optimize import nnls
+
+    rows = np.asarray(rows, dtype=float).reshape(-1, 3)
+    n_nodes, demand, seconds = rows.T
+    if not np.all(np.isfinite(rows)) or np.any(rows < 0) or np.any(n_nodes != np.round(n_nodes)):
+        raise ValueError("records must be (n_nodes >= 0 integer, demand >= 0, seconds >= 0), all finite")
+    observed = sorted({int(n) for n in n_nodes})
+    if len(rows) < len(observed) + 2:
+        raise ValueError(
+            f"{len(rows)} records are too few to fit {len(observed)} intercepts and beta; "
+            f"give at least {len(observed) + 2}"
+        )
+    if all(np.ptp(demand[n_nodes == n]) == 0 for n in observed):
+        raise ValueError("demand never varies at a fixed node count, so beta cannot be told from the intercepts")
+    top = observed[-1] if max_nodes is None else int(max_nodes)
+    if top < observed[-1]:
+        raise ValueError(f"max_nodes={top} is below the largest node count in the records ({observed[-1]})")
+
+    # columns: base, increment to observed[1], .., increment to observed[-1], demand; a record at observed[i] has
+    # ones in the base and the first i increments
+    rank = np.searchsorted(observed, n_nodes)
+    features = np.zeros((len(rows), len(observed) + 1))
+    features[:, : len(observed)] = np.arange(len(observed))[None, :] <= rank[:, None]
+    features[:, -1] = demand
+    scale = np.linalg.norm(features, axis=0)  # demand is ~1e3 times the indicator columns; equalise for NNLS
+    scale[scale == 0] = 1.0
+    coef, _ = nnls(features / scale, seconds - floor)
+    coef = coef / scale
+    values = floor + np.cumsum(coef[:-1])
+    return _fill(observed, values.tolist(), top, floor), float(coef[-1]), observed
+
+
+def _unassessed(intercepts) -> dict:
+    """The quality record of a version-1 profile: not assessed by the calibration gate; says whether it falls."""
+    reasons = ["a version-1 profile: made before `specfit calibrate` checked fits (no held-out error, no bootstrap "
+               "intervals) and before intercepts were held non-decreasing"]
+    values = [a for a in intercepts if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    falls = [(i, a, b) for i, (a, b) in enumerate(zip(values, values[1:])) if b < a]
+    if falls:
+        i, a, b = falls[0]
+        reasons.append(f"its intercepts fall with n (a({i + 1}) = {b * 1e3:.2f} ms < a({i}) = {a * 1e3:.2f} ms), "
+                       f"traded against beta on collinear probes")
+    return {"verdict": "unassessed", "reasons": reasons}
 
 
 def cache_root() -> Path:
@@ -251,8 +387,9 @@ def _number(value, name: str) -> float:
     return value
 
 
-def _fill(observed: list[int], values: list[float], top: int) -> list[float]:
-    """Intercepts for n = 0..top from the observed counts: interpolate inside, extend the end lines outside."""
+def _fill(observed: list[int], values: list[float], top: int, floor: float = 0.0) -> list[float]:
+    """Intercepts for n = 0..top from the observed counts: interpolate inside, extend the end lines outside (never
+    below ``floor``). Non-decreasing values stay non-decreasing."""
     xs, ys = np.array(observed, float), np.array(values, float)
     grid = np.arange(top + 1, dtype=float)
     out = np.interp(grid, xs, ys)
@@ -260,4 +397,4 @@ def _fill(observed: list[int], values: list[float], top: int) -> list[float]:
         lo, hi = grid < xs[0], grid > xs[-1]
         out[lo] = ys[0] + (grid[lo] - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
         out[hi] = ys[-1] + (grid[hi] - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return np.maximum(out, 0.0).tolist()
+    return np.maximum(out, floor).tolist()

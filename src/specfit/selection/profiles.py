@@ -11,6 +11,7 @@ from importlib.resources import as_file, files
 import torch
 
 from .cost_model import FORMAT, CostModel, ProfileError, profile_path
+from .fit_quality import REMEDY
 
 
 def device_name(runtime) -> str:
@@ -79,20 +80,45 @@ def profile_key(model) -> dict:
 def find_profile(model):
     """The explicit profile given to ``enable`` (checked against this setup), else this machine's calibrated profile
     in the user cache, else a reference profile shipped in ``calibration/`` for the same model, slots, cache mode and
-    link (measured on another machine: a warning says so); None when there is none."""
+    link (measured on another machine: a warning says so); None when there is none. A profile whose recorded fit
+    quality is poor, or that was never assessed (version 1), is used with a warning (see ``warn_if_unreliable``)."""
     runtime = model.specfit
     if runtime.cost_model is not None:
-        return checked_cost_model(model, runtime.cost_model)
+        cost = checked_cost_model(model, runtime.cost_model)
+        warn_if_unreliable(cost, str(runtime.cost_model) if not isinstance(runtime.cost_model, CostModel)
+                           else "in use by this model")
+        return cost
     key = profile_key(model)
     path = profile_path(**key)
     if path.is_file():
-        return CostModel.load(path, expect={"slots": key["slots"], "cache_mode": key["cache_mode"]})
+        found = CostModel.load(path, expect={"slots": key["slots"], "cache_mode": key["cache_mode"]})
+        warn_if_unreliable(found, str(path))
+        return found
     reference = reference_profile(key, runtime.link_label)
     if reference is not None and reference.meta.get("device") != key["device_name"]:
         warnings.warn(f"using the reference cost profile measured on {reference.meta.get('device')!r} for this "
                       f"{key['device_name']!r}; run `specfit calibrate` to fit this machine", RuntimeWarning,
                       stacklevel=4)
+    if reference is not None:
+        warn_if_unreliable(reference, f"shipped with specfit for {key['model_id']}, {key['slots']} slots, "
+                                      f"{key['cache_mode']}, {runtime.link_label}")
     return reference
+
+
+def warn_if_unreliable(cost: CostModel, where: str) -> None:
+    """Warn (RuntimeWarning) when a cost model's recorded calibration verdict is not "good": "poor" (installed with
+    ``--force``) or "unassessed" (a version-1 profile). A model with no recorded quality (made by hand) is trusted."""
+    quality = cost.quality
+    if not quality or quality.get("verdict") == "good":
+        return
+    reasons = "; ".join(quality.get("reasons", [])) or "no reasons recorded"
+    if quality.get("verdict") == "poor":
+        text = (f"the cost profile {where} failed calibration's quality gate ({reasons}), so SpecFit may verify "
+                f"poor subtrees. Recalibrate: {REMEDY}.")
+    else:
+        text = (f"the cost profile {where} was never checked for fit quality ({reasons}). Recalibrate with "
+                f"`specfit calibrate` to fit and check it.")
+    warnings.warn(text, RuntimeWarning, stacklevel=4)
 
 
 def model_id(model) -> str:
