@@ -22,6 +22,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..drafting.levels import TreeDrafter
 from ..drafting.tree import DraftTree
+from ..selection.profiles import resolve_cost_model
 from ..selection.route_sources import Cycle, resolve_route_source
 from ..selection.selector import select_subtree, takes_from_level
 
@@ -83,16 +84,17 @@ class Eagle3Generator(TreeCandidateGenerator):
 class SpecFitGenerator(Eagle3Generator):
     def __init__(self, model):
         super().__init__(model)
-        from ..selection.profiles import resolve_cost_model
-
         runtime = self.runtime = model.specfit
         opts = runtime.options
         self.cost = resolve_cost_model(model)
         if opts.cost == "cache-aware":
-            self.cost = cache_aware_model(self.cost)
+            self.cost = self.cost.cache_aware()
         if self.cost.max_nodes < self.max_nodes:
             raise ValueError(f"the cost model predicts up to {self.cost.max_nodes} nodes but max_nodes is "
                              f"{self.max_nodes}; recalibrate or lower max_nodes")
+        # drafting paid per level actually drafted, when the profile measured it: the model at each depth
+        self.level_costs = [self.cost.at_levels(level) for level in range(1, opts.depth + 1)] \
+            if self.cost.draft_levels else None
         self.routes = resolve_route_source(model, opts.route_source)
         self.cache_aware = opts.cost == "cache-aware"
         self.prefetch = opts.prefetch
@@ -134,23 +136,33 @@ class SpecFitGenerator(Eagle3Generator):
             if self.cache_aware:  # resident experts cost nothing: drop them from the demand
                 resident = self.runtime.resident_mask()  # [L, E]
                 costed_nodes, costed_root = node_routes & ~resident, root_routes & ~resident
-            self.winner = select_subtree(tree.parents, tree.path_probs, costed_nodes, costed_root, self.cost,
+            cost = self.level_costs[tree.depth - 1] if self.level_costs else self.cost
+            self.winner = select_subtree(tree.parents, tree.path_probs, costed_nodes, costed_root, cost,
                                          self.max_nodes)
             if self.prefetch:  # copy what the winner needs while the next level is drafted (residents: kept fresh)
                 self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
             if not takes_from_level(self.winner, tree.depths, tree.depth):
                 break
-        self.backoff.record(paid=bool(self.winner.nodes))
+        self.backoff.record(paid=self._paid(costed_root))
         return tree
+
+    def _paid(self, costed_root) -> bool:
+        """Whether this cycle's drafting paid for itself: its winner verifies draft nodes and, when the profile
+        prices drafting per level, predicts more tokens per second than a cycle that drafts nothing."""
+        if not self.winner.nodes:
+            return False
+        if self.level_costs is None:
+            return True
+        return self.winner.ratio * self.cost.predict(0, int(costed_root.sum()), levels=0) > 1.0
 
     def select(self, tree, cycle):
         return self.winner.nodes if self.winner is not None else ()
 
 
 class Backoff:
-    """When to skip drafting: after ``k`` drafted cycles in a row whose winner was the root alone (drafting cost a
-    drafter forward per level and bought nothing), the next ``2**(k-1)`` cycles skip drafting (at most ``most``);
-    then drafting is probed again. One cycle that verifies draft nodes resets it."""
+    """When to skip drafting: after ``k`` drafted cycles in a row that did not pay (the winner was the root alone, or
+    predicted fewer tokens per second than not drafting at all), the next ``2**(k-1)`` cycles skip drafting (at most
+    ``most``); then drafting is probed again. One cycle that pays resets it."""
 
     def __init__(self, most: int = 16):
         self.most, self.failures, self.left = most, 0, 0
@@ -172,17 +184,6 @@ class Backoff:
         else:
             self.failures += 1
             self.left = min(2 ** (self.failures - 1), self.most)
-
-
-def cache_aware_model(cost):
-    """The profile's second fit, on expert *misses* instead of demand (``specfit calibrate`` stores both)."""
-    from ..selection.cost_model import CostModel
-
-    extra = cost.meta.get("cache_aware")
-    if not extra:
-        raise ValueError("cost='cache-aware' needs a profile fitted on misses too; recalibrate with this version of "
-                         "`specfit calibrate`")
-    return CostModel(tuple(extra["intercepts"]), extra["beta"], {"source": "cache-aware fit"})
 
 
 ASSISTANTS: dict[str, Callable] = {"eagle3": Eagle3Generator, "specfit": SpecFitGenerator}
