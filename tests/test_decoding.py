@@ -225,7 +225,8 @@ def test_specfit_skips_drafting_whose_levels_cost_more_than_they_buy():
     assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False, assistant="specfit"), expected)
     pools = [c.pool for c in model.specfit.stats.trace]
     assert pools.count(0) > len(pools) / 2
-    configure(model, cost_model=CostModel((1.0,) * 8, 1e-4, draft_level_seconds=(0.01,) * 5))  # cheap drafting
+    model = enabled(prompt, noise=0.3, sharpen=8.0)  # a confident drafter, and cheap drafting: it pays
+    configure(model, cost_model=CostModel((1.0,) * 8, 1e-4, draft_level_seconds=(0.01,) * 5))
     model.specfit.stats.trace = []
     assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False, assistant="specfit"), expected)
     assert [c.pool for c in model.specfit.stats.trace].count(0) < len(model.specfit.stats.trace) / 2
