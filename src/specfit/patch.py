@@ -206,4 +206,5 @@ def configure(model, cost_model=None, **options) -> DecodingOptions:
     except BaseException:
         runtime.options, runtime.cost_model = previous
         raise
+    runtime.backoff = None  # whether drafting pays is judged anew under the new options
     return runtime.options

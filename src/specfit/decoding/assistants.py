@@ -99,12 +99,16 @@ class SpecFitGenerator(Eagle3Generator):
         self.cache_aware = opts.cost == "cache-aware"
         self.prefetch = opts.prefetch
         self.winner = None
-        self.backoff = Backoff()
+        # kept on the runtime across generate() calls: whether drafting pays is a property of the model, the cache
+        # and the workload, not of one call; each call starts with a probe
+        if getattr(runtime, "backoff", None) is None:
+            runtime.backoff = Backoff()
+        self.backoff = runtime.backoff
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed pairs the drafter has not read yet
 
     def start(self, features, next_tokens):
         self._pending.clear()
-        self.backoff = Backoff()
+        self.backoff.left = 0
         super().start(features, next_tokens)
 
     def observe(self, features, next_tokens):
@@ -164,7 +168,7 @@ class Backoff:
     predicted fewer tokens per second than not drafting at all), the next ``2**(k-1)`` cycles skip drafting (at most
     ``most``); then drafting is probed again. One cycle that pays resets it."""
 
-    def __init__(self, most: int = 16):
+    def __init__(self, most: int = 32):
         self.most, self.failures, self.left = most, 0, 0
 
     @property

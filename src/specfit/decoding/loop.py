@@ -82,7 +82,8 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         t_drafted = time.perf_counter()
         layout = verify_layout(tree, nodes, cycle.root, cycle.base, seam.kv_capacity(cache, len(nodes) + 1),
                                seam.compute_dtype(model), runtime.device)
-        masks = seam.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
+        masks = None if layout.mask is None else \
+            seam.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
         out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=masks,
                     use_cache=True, logits_to_keep=0)  # 3. verify
         verify = runtime.stats.last_forward

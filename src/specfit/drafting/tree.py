@@ -60,7 +60,8 @@ class VerifyLayout:
     parents: tuple[int, ...]  # tree-index parent of each tree index (-1 for the root)
     tokens: torch.Tensor  # [1, n+1] root then selected tokens
     position_ids: torch.Tensor  # [1, n+1] base + depth
-    mask: torch.Tensor  # [1, 1, n+1, kv_len] additive: 0 = attend, finfo.min = masked
+    mask: torch.Tensor | None  # [1, 1, n+1, kv_len] additive: 0 = attend, finfo.min = masked; None: the root alone
+    # (a one-token step, causal as in plain decoding: the model builds its own mask)
 
     def children(self, t: int) -> list[int]:
         return [c for c, p in enumerate(self.parents) if p == t]
@@ -77,11 +78,10 @@ def verify_layout(tree: DraftTree, nodes, root_token: int, base: int, kv_len: in
     tree_index = {v: j + 1 for j, v in enumerate(nodes)}
     parents = (-1,) + tuple(0 if tree.parents[v] < 0 else tree_index[tree.parents[v]] for v in nodes)
     depths = [0] + [tree.depths[v] for v in nodes]
-    n = len(parents)
-    mask = tree_mask(parents, base, kv_len, dtype)
+    mask = tree_mask(parents, base, kv_len, dtype, device)[None, None] if nodes else None
     tokens = torch.tensor([[root_token] + [tree.tokens[v] for v in nodes]], device=device)
     positions = torch.tensor([[base + d for d in depths]], device=device)
-    return VerifyLayout(nodes, parents, tokens, positions, mask[None, None].to(device))
+    return VerifyLayout(nodes, parents, tokens, positions, mask)
 
 
 def tree_mask(parents, base: int, kv_len: int, dtype: torch.dtype, device=None) -> torch.Tensor:

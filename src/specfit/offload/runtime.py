@@ -38,6 +38,7 @@ class SpecFitRuntime:
         self.cost_model = None
         self.route_predictor = None
         self.aux_capture = None
+        self.backoff = None  # SpecFit's drafting backoff, kept across generate() calls (decoding/assistants.py)
         self._restore = None  # what disable() needs; set by enable()
 
     @property
