@@ -180,13 +180,14 @@ def test_backoff_schedule():
     from specfit.decoding.assistants import Backoff
 
     b, pattern = Backoff(most=4), []
-    for paid in (False, False, False, False, True, False):
+    for paid in (False, False, False, False, True, False, True, True, False):
         b.record(paid)
         skipped = 0
         while b.skip():
             skipped += 1
         pattern.append(skipped)
-    assert pattern == [1, 2, 4, 4, 0, 1]  # doubles after each failed probe, capped, reset by a paying cycle
+    # doubles after each failed probe, capped; a paying cycle halves the ladder, a run of them resets it
+    assert pattern == [1, 2, 4, 4, 0, 4, 0, 0, 1]
 
 
 def test_specfit_skips_drafting_that_does_not_pay_and_stays_lossless():

@@ -100,16 +100,19 @@ class SpecFitGenerator(Eagle3Generator):
         self.prefetch = opts.prefetch
         self.winner = None
         # kept on the runtime across generate() calls: whether drafting pays is a property of the model, the cache
-        # and the workload, not of one call; each call starts with a probe
+        # and the workload, not of one call
         if getattr(runtime, "backoff", None) is None:
             runtime.backoff = Backoff()
         self.backoff = runtime.backoff
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed pairs the drafter has not read yet
 
     def start(self, features, next_tokens):
-        self._pending.clear()
-        self.backoff.left = 0
-        super().start(features, next_tokens)
+        """The prompt waits with the committed pairs while drafting is skipped (the backoff carries over from the
+        previous call): a call in which drafting never pays runs the drafter only when it probes."""
+        self.drafter.reset()
+        self._pending = [(features, next_tokens)]
+        if not self.backoff.skipping:
+            self._catch_up()
 
     def observe(self, features, next_tokens):
         """While drafting is skipped, committed pairs wait here and reach the drafter in one forward later."""
@@ -166,7 +169,7 @@ class SpecFitGenerator(Eagle3Generator):
 class Backoff:
     """When to skip drafting: after ``k`` drafted cycles in a row that did not pay (the winner was the root alone, or
     predicted fewer tokens per second than not drafting at all), the next ``2**(k-1)`` cycles skip drafting (at most
-    ``most``); then drafting is probed again. One cycle that pays resets it."""
+    ``most``); then drafting is probed again. A cycle that pays halves ``k`` (so a run of them resets it)."""
 
     def __init__(self, most: int = 32):
         self.most, self.failures, self.left = most, 0, 0
@@ -183,8 +186,8 @@ class Backoff:
         return False
 
     def record(self, paid: bool) -> None:
-        if paid:
-            self.failures = 0
+        if paid:  # one paying cycle halves the ladder: a lone success amid failures does not restart it
+            self.failures //= 2
         else:
             self.failures += 1
             self.left = min(2 ** (self.failures - 1), self.most)
