@@ -61,23 +61,25 @@ class Profiler:
         self.stack: list[list] = []  # [part, start, child_time]
         self.totals: dict[str, float] = defaultdict(float)
 
-    def wrap(self, part: str, fn):
-        prof = self
+    def timed_call(self, part: str, call):
+        """call() with its exclusive time added to ``part`` (its wrapped callees' time taken out)."""
+        if not self.on:
+            return call()
+        frame = [part, time.perf_counter(), 0.0]
+        self.stack.append(frame)
+        try:
+            return call()
+        finally:
+            self.stack.pop()
+            spent = time.perf_counter() - frame[1]
+            self.totals[part] += spent - frame[2]
+            if self.stack:
+                self.stack[-1][2] += spent
 
+    def wrap(self, part: str, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            if not prof.on:
-                return fn(*args, **kwargs)
-            frame = [part, time.perf_counter(), 0.0]
-            prof.stack.append(frame)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                prof.stack.pop()
-                spent = time.perf_counter() - frame[1]
-                prof.totals[part] += spent - frame[2]
-                if prof.stack:
-                    prof.stack[-1][2] += spent
+            return self.timed_call(part, lambda: fn(*args, **kwargs))
 
         return timed
 
@@ -98,30 +100,16 @@ class Profiler:
         return undo
 
     def wrap_generator(self, part, fn):
-        prof = self
+        """Generators: the time spent inside each ``next()`` counts, not the time the consumer holds them."""
+        done = object()
 
         @functools.wraps(fn)
         def gen(*args, **kwargs):
             it = fn(*args, **kwargs)
             while True:
-                if not prof.on:
-                    try:
-                        value = next(it)
-                    except StopIteration:
-                        return
-                else:
-                    frame = [part, time.perf_counter(), 0.0]
-                    prof.stack.append(frame)
-                    try:
-                        value = next(it)
-                    except StopIteration:
-                        return
-                    finally:
-                        prof.stack.pop()
-                        spent = time.perf_counter() - frame[1]
-                        prof.totals[part] += spent - frame[2]
-                        if prof.stack:
-                            prof.stack[-1][2] += spent
+                value = self.timed_call(part, lambda: next(it, done))
+                if value is done:
+                    return
                 yield value
 
         return gen

@@ -173,3 +173,28 @@ def test_gpu_check_dry_run_writes_the_plan_to_one_log(tmp_path):
                      "--slots 48 --cache-mode cached", "--cache-mode cleared", "decode_check.py",
                      "--profile " + str(out / "profile-cached.json")):
         assert expected in log
+
+
+def test_cycle_profile_parts_add_up(tmp_path):
+    """The cycle profile on the embedded model: every part is non-negative and the parts (with 'other') are the
+    cycle; it refuses nothing lossy (the script checks every method's tokens against AR's)."""
+    import cycle_profile
+
+    from specfit import embedded
+    from specfit.evaluation import datasets
+
+    if not embedded.available():
+        pytest.fail("the embedded model and drafter must ship with the package")
+    try:
+        datasets.prompts("gsm8k", 2)
+    except datasets.DataUnavailable as err:
+        pytest.skip(f"GSM8K is not reachable (no local data folder and no hub): {err}")
+    assert cycle_profile.main(["--prompts", "2", "--max-new-tokens", "8", "--methods", "ar", "specfit",
+                               "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "profile.json").read_text())["result"]
+    for method, r in result.items():
+        parts = r["parts_ms"]
+        assert sum(parts.values()) == pytest.approx(r["cycle_ms"], rel=1e-9)
+        assert all(v >= 0 for k, v in parts.items() if not k.startswith("other")), (method, parts)
+    assert result["ar"]["parts_ms"]["drafter forwards"] == 0 and result["ar"]["tokens_per_cycle"] == 1
+    assert (tmp_path / "profile.md").read_text().startswith("Cycle profile")
