@@ -12,7 +12,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.conversion_mapping import get_model_conversion_mapping
@@ -128,7 +127,8 @@ def experts_forward_batched(experts: nn.Module, x: torch.Tensor, gate_up: torch.
                             gate_up_bias: torch.Tensor | None = None,
                             down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """n experts at once: x [n, C, H] (C rows each) -> [n, C, H], from ``ExpertLayout.split_batch`` views
-    (gate_up [n, 2I, H], down [n, H, I], biases [n, 2I] / [n, H]); the same math as ``expert_forward``."""
+    (gate_up [n, 2I, H], down [n, H, I], biases [n, 2I] / [n, H]): ``F.linear`` orientation, the family's own
+    gating and biases."""
     if gate_up_bias is None:
         h = torch.bmm(x, gate_up.transpose(1, 2))  # [n, C, 2I]
     else:
@@ -137,13 +137,6 @@ def experts_forward_batched(experts: nn.Module, x: torch.Tensor, gate_up: torch.
     if down_bias is None:
         return torch.bmm(h, down.transpose(1, 2))  # [n, C, H]
     return torch.baddbmm(down_bias[:, None], h, down.transpose(1, 2))
-
-
-def expert_forward(experts: nn.Module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One expert: x [S, H] -> [S, H], from one store row's views (``ExpertLayout.split``)."""
-    h = expert_activation(experts, F.linear(x, gate_up, gate_up_bias))  # [S, I]
-    return F.linear(h, down, down_bias)
 
 
 def expert_tensors(moe: MoELayer):

@@ -52,17 +52,14 @@ class LayerRuntime:
         for experts, weights in source:
             parts = rt.store.layout.split_batch(weights)  # one expert's math is the family's: seam
             spans = [starts[e] for e in experts]
-            width = max(c for _, c in spans)
-            if len(experts) == 1 or width == 1:  # no padding needed: rows of these experts, one each or one expert
-                take = [st + j for st, c in spans for j in range(c)]
-                x = rows[take[0]:take[0] + len(take)] if _is_run(take) else rows[take]
-                y = seam.experts_forward_batched(module, x.view(len(experts), width, -1), *parts)
-                _put(grouped, take, y.view(len(take), -1))
-                continue
-            take = [st + min(j, c - 1) for st, c in spans for j in range(width)]  # padded with a repeated row
-            keep = [g * width + j for g, (_, c) in enumerate(spans) for j in range(c)]
-            y = seam.experts_forward_batched(module, rows[take].view(len(experts), width, -1), *parts)  # [n, C, H]
-            _put(grouped, [st + j for st, c in spans for j in range(c)], y.view(len(take), -1)[keep])
+            width = max(c for _, c in spans)  # each expert's rows padded to the busiest one's (with a repeated row)
+            take = [st + min(j, c - 1) for st, c in spans for j in range(width)]
+            dest = [st + j for st, c in spans for j in range(c)]
+            x = rows[take[0]:take[0] + len(take)] if _is_run(take) else rows[take]  # [n*C, H]
+            y = seam.experts_forward_batched(module, x.view(len(experts), width, -1), *parts).view(len(take), -1)
+            if len(dest) < len(take):  # drop the padding rows
+                y = y[[g * width + j for g, (_, c) in enumerate(spans) for j in range(c)]]
+            _put(grouped, dest, y)
         out = torch.empty_like(grouped)
         out[order] = grouped  # back to (token, k) order
         out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
