@@ -150,19 +150,20 @@ def attach_decoding(model, drafter=None, cost_model=None, route_predictor=None, 
     if route_predictor is not None:
         runtime.route_predictor = route_predictor if isinstance(route_predictor, torch.nn.Module) else \
             RoutePredictor.load(route_predictor, model)
-    runtime.cost_model = checked_cost_model(model, cost_model) if cost_model is not None else None
+    runtime.cost_model = cost_model
     _check_options(model, runtime.options)
 
 
 def _check_options(model, options: DecodingOptions) -> None:
-    """Options that depend on how the model was enabled and what is attached; checked at enable and configure."""
+    """Options that depend on how the model was enabled and what is attached; checked at enable and configure. A
+    cost model given as a path is loaded here, so a bad profile fails now, not at the first generate()."""
     runtime = model.specfit
     if options.prefetch and runtime.config.cache_mode == "cleared":
         raise ValueError("prefetch=True needs cache_mode='cached': a cleared cache drops prefetched experts")
     if runtime.drafter is not None:
         choose_route_source(model, options.route_source)  # "auto" with nothing deployable fails here, not later
     if runtime.cost_model is not None:
-        checked_cost_model(model, runtime.cost_model)
+        runtime.cost_model = checked_cost_model(model, runtime.cost_model)
 
 
 def set_drafter(model, drafter) -> None:
@@ -201,7 +202,7 @@ def configure(model, cost_model=None, **options) -> DecodingOptions:
     runtime.options = new_options
     try:
         if cost_model is not None:
-            runtime.cost_model = checked_cost_model(model, cost_model)
+            runtime.cost_model = cost_model
         _check_options(model, new_options)
     except BaseException:
         runtime.options, runtime.cost_model = previous

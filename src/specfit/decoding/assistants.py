@@ -101,7 +101,7 @@ class SpecFitGenerator(Eagle3Generator):
         self.winner = None
         # kept on the runtime across generate() calls: whether drafting pays is a property of the model, the cache
         # and the workload, not of one call
-        if getattr(runtime, "backoff", None) is None:
+        if runtime.backoff is None:
             runtime.backoff = Backoff()
         self.backoff = runtime.backoff
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed pairs the drafter has not read yet
