@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import time
 from collections import defaultdict
@@ -90,7 +91,7 @@ class Profiler:
                 original = getattr(owner, name)
                 if getattr(original, "__wrapped_by_profile__", False):
                     continue
-                if isinstance(original, type(lambda: 0)) and _is_generator(original):
+                if inspect.isgeneratorfunction(original):
                     wrapped = self.wrap_generator(part, original)
                 else:
                     wrapped = self.wrap(part, original)
@@ -113,12 +114,6 @@ class Profiler:
                 yield value
 
         return gen
-
-
-def _is_generator(fn) -> bool:
-    import inspect
-
-    return inspect.isgeneratorfunction(fn)
 
 
 def run(args) -> dict:

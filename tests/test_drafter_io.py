@@ -79,6 +79,18 @@ def run(drafter, seed=2):
         return drafter(ids, feats, torch.arange(6)[None])[0]
 
 
+def assert_matches_reference(model, drafter, **flags) -> torch.Tensor:
+    """``model``'s logits and fed-back states on ``inputs`` equal ``reference`` of ``drafter``'s weights with the
+    given norm flags; returns the logits."""
+    ids, feats = inputs(drafter)
+    with torch.no_grad():
+        logits, fed = model(ids, feats, torch.arange(6)[None])
+    want_logits, want_fed = reference(drafter, ids, feats, **flags)
+    torch.testing.assert_close(logits, want_logits)
+    torch.testing.assert_close(fed, want_fed)
+    return logits
+
+
 def reference(d, ids, feats, norm_before_residual=False, lm_head_norm=True, normed_feedback=False):
     """The first drafting step written out from ``d``'s weights, with each norm flag as the references apply it:
     SpecForge ``compute_logits`` (norm_output), speculators ``Eagle3DecoderLayer`` / vLLM ``llama_eagle3.py``
@@ -304,12 +316,7 @@ def test_unsupported_variants(tmp_path):
 def test_reference_is_the_default_drafter(target):
     drafter = make_drafter()
     drafter.set_embedding(target.get_input_embeddings())
-    ids, feats = inputs(drafter)
-    with torch.no_grad():
-        logits, fed = drafter(ids, feats, torch.arange(6)[None])
-    want_logits, want_fed = reference(drafter, ids, feats)
-    torch.testing.assert_close(logits, want_logits)
-    torch.testing.assert_close(fed, want_fed)
+    assert_matches_reference(drafter, drafter)
 
 
 @pytest.mark.parametrize("norm_output", [False, True])
@@ -322,12 +329,7 @@ def test_specforge_norm_output(tmp_path, target, norm_output):
     config["norm_output"] = norm_output
     loaded = load_drafter(write(tmp_path / "specforge", config, state), target=target)
     assert loaded.config.lm_head_norm is norm_output and loaded.config.normed_feedback is False
-    ids, feats = inputs(drafter)
-    with torch.no_grad():
-        logits, fed = loaded(ids, feats, torch.arange(6)[None])
-    want_logits, want_fed = reference(drafter, ids, feats, lm_head_norm=norm_output)
-    torch.testing.assert_close(logits, want_logits)
-    torch.testing.assert_close(fed, want_fed)
+    logits = assert_matches_reference(loaded, drafter, lm_head_norm=norm_output)
     assert bool((logits - run(drafter)).abs().max() > 0.1) is not norm_output  # false really changes the logits
     # written back only when false (SpecForge's default is true), and read back the same
     save_drafter(loaded, tmp_path / "again")
@@ -389,12 +391,7 @@ def test_norm_before_residual(tmp_path, target, layout, value, expected):
         config["norm_before_residual"] = value
     loaded = load_drafter(write(tmp_path / layout, config, state), target=target)
     assert loaded.config.norm_before_residual is expected
-    ids, feats = inputs(drafter)
-    with torch.no_grad():
-        logits, fed = loaded(ids, feats, torch.arange(6)[None])
-    want_logits, want_fed = reference(drafter, ids, feats, norm_before_residual=expected)
-    torch.testing.assert_close(logits, want_logits)
-    torch.testing.assert_close(fed, want_fed)
+    logits = assert_matches_reference(loaded, drafter, norm_before_residual=expected)
     assert bool((logits - run(drafter)).abs().max() > 0.1) is expected
 
 

@@ -94,3 +94,21 @@ def test_stats_add_up_to_the_wall_clock(assistant, route_source):
     assert g.end_to_end_tokens_per_second == pytest.approx(24 / (g.prefill_seconds + g.decode_seconds))
     assert (g.measurement_seconds > 0) == (route_source == "oracle")
     assert g.tokens_per_second <= g.tokens_per_second_excluding_measurement
+
+
+@pytest.mark.parametrize("assistant", [None, "specfit"])
+def test_the_clock_starts_at_generate_entry(monkeypatch, assistant):
+    """Time generate() spends preparing, before the prompt's forward, is prefill time: a slow preparation shows."""
+    from transformers.generation.utils import GenerationMixin
+
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=4, drafter=random_drafter(model), cost_model=COST)
+    original = GenerationMixin._prepare_special_tokens
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.05)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_prepare_special_tokens", slow)
+    model.generate(PROMPT, max_new_tokens=4, do_sample=False, assistant=assistant)
+    assert model.specfit.stats.last_generate.prefill_seconds >= 0.05
