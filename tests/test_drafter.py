@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter module and its TTT loss, on tiny random drafters (CPU, fp32)."""
+"""The EAGLE-3 drafter module, its TTT loss and level-by-level tree drafting, on tiny random drafters (CPU, fp32)."""
 
 import pytest
 import torch
@@ -265,3 +265,75 @@ def test_draft_vocab_from_counts_hand_worked():
     assert (torch.arange(2) + d2t).tolist() == [2, 5]
     d2t, t2d = draft_vocab_from_counts(torch.tensor([0, 0, 0, 4, 0, 9]), 4, 8)  # pad with the lowest unseen ids
     assert (torch.arange(4) + d2t).tolist() == [0, 1, 3, 5] and int(t2d.sum()) == 4
+
+
+# ------------------------------------------------------------------------------------------------ tree drafting
+
+
+def drafted_pool(topk=2, depth=4, seed=6):
+    """A pool drafted level by level by a tiny random drafter after 7 committed pairs, with room for every node
+    (so every frontier node gets all its children); returns (TreeDrafter, DraftTree, (features, next_tokens))."""
+    from specfit.drafting.levels import TreeDrafter
+
+    drafter = tiny_drafter()
+    aux, ids, _, _ = ttt_batch(seed=seed, b=1, t=8)
+    context = aux[:, :-1], ids[:, 1:]  # (feature of t_i, t_{i+1}) pairs; t_7 is the root
+    tree_drafter = TreeDrafter(drafter, topk=topk, depth=depth, max_pool=1000)
+    tree_drafter.extend(*context)
+    for tree in tree_drafter.levels():
+        pass
+    assert tree.depth == depth
+    return tree_drafter, tree, context
+
+
+def test_tree_drafting_expands_the_most_probable_frontier():
+    """Each level after the first expands the top-k nodes of the level before, by path probability (EAGLE-2's
+    frontier), each by its top-k children. Kills the mutant: levels.py's frontier sort reversed, so the drafter
+    expands its *worst* nodes."""
+    topk = 2
+    _, tree, _ = drafted_pool(topk=topk, depth=4)
+    for depth in range(2, tree.depth + 1):
+        above = tree.level(depth - 1)
+        best = sorted(above, key=lambda v: tree.path_probs[v], reverse=True)[:topk]
+        assert len(above) > topk or depth == 2  # from level 3 on, the frontier is a real choice
+        expanded = [tree.parents[v] for v in tree.level(depth)]
+        assert sorted(set(expanded)) == sorted(best), f"level {depth - 1}"
+        assert all(expanded.count(v) == topk for v in best)
+
+
+def test_tree_path_probabilities_are_products_along_the_path():
+    """A node's path probability is the product, along its path from the root, of the drafter's softmax
+    probability of each token given the tokens before it, and a node's children are the top-k tokens of that
+    softmax; checked against the drafter run alone on each path as a chain (no tree mask). Kills the mutants:
+    a path probability not multiplied by its parent's, and one that multiplies the parent's by ``p * p``."""
+    topk = 2
+    tree_drafter, tree, (features, next_tokens) = drafted_pool(topk=topk, depth=4)
+    drafter = tree_drafter.drafter
+    draft_id = {int(d + drafter.d2t[d]): d for d in range(drafter.config.draft_vocab_size)}  # target id -> draft id
+    m = next_tokens.shape[1]
+
+    def path(v):
+        return path(tree.parents[v]) + [v] if v >= 0 else []
+
+    def chain(tokens):
+        """The drafter's softmax [Vd] after the context and then ``tokens`` drafted one by one."""
+        with torch.no_grad():
+            cache = DraftCache()
+            logits, hidden = drafter(next_tokens, features, positions(0, m), cache=cache)
+            for j, token in enumerate(tokens):
+                logits, hidden = drafter(torch.tensor([[token]]), hidden[:, -1:], positions(m + j, 1), cache=cache)
+        return torch.softmax(logits[0, -1].float(), -1)
+
+    assert len(tree) == topk + 3 * topk * topk
+    for v in range(len(tree)):
+        tokens = [tree.tokens[a] for a in path(v)]
+        expected = 1.0
+        for j, token in enumerate(tokens):
+            expected *= chain(tokens[:j])[draft_id[token]].item()
+        assert tree.path_probs[v] == pytest.approx(expected, rel=1e-4), f"node {v}, path {tokens}"
+        children = [tree.tokens[c] for c in range(len(tree)) if tree.parents[c] == v]
+        if children:
+            top = drafter.to_target_ids(chain(tokens).topk(topk).indices).tolist()
+            assert sorted(children) == sorted(top), f"children of node {v}"
+    roots = [tree.tokens[c] for c in range(len(tree)) if tree.parents[c] < 0]
+    assert sorted(roots) == sorted(drafter.to_target_ids(chain([]).topk(topk).indices).tolist())
