@@ -61,6 +61,73 @@ def test_self_drafter_path_fully_accepted():
     assert sum(c.committed for c in cycles) == 39  # the first of the 40 tokens comes from the prefill
 
 
+def test_self_drafter_tree_commits_depth_plus_one_every_cycle():
+    """A noise-free, confident self-drafter with top-2 expansion: the target's greedy continuation is the most
+    probable node of every level, so every cycle accepts it to the full depth and commits depth + 1 tokens. Kills
+    the mutant: levels.py expands the worst frontier nodes (the greedy path then stops at depth 2: 3 tokens)."""
+    prompt = PROMPTS[1]
+    expected = tiny_moe().generate(prompt, max_new_tokens=40, do_sample=False)
+    model = enabled(prompt, noise=0.0, sharpen=1000.0, topk=2, depth=5, pool_nodes=18, max_nodes=7)
+    model.specfit.stats.trace = []
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, assistant="eagle3")
+    assert torch.equal(out, expected)
+    cycles = model.specfit.stats.trace
+    assert [c.pool for c in cycles] == [18] * len(cycles)  # a real tree: 2 + 4 + 4 + 4 + 4 nodes
+    assert [c.committed for c in cycles[:-1]] == [6] * (len(cycles) - 1)  # 5 accepted + the bonus token
+
+
+def accepted_layout_indices(tree, nodes, accepted):
+    """Verify-tree indices (root 0) of the root and the ``accepted`` draft tokens, walked from the root."""
+    nodes = sorted(nodes)
+    kept, parent = [0], -1
+    for token in accepted:
+        v = next(v for v in nodes if tree.parents[v] == parent and tree.tokens[v] == token)
+        kept.append(nodes.index(v) + 1)
+        parent = v
+    return kept
+
+
+def test_drafter_is_fed_the_accepted_paths_features():
+    """After each cycle the drafter reads the target's features of the committed tokens, also when the accepted
+    path is not a prefix of the verified layout (a top-2 tree: the path's level-2 node comes after the root's
+    second child): everything it was fed equals the features of the output sequence from one plain forward.
+    Kills the mutant: loop.py's phase 6 feeds the first len(kept) positions' features instead of the accepted
+    path's (lossless, but acceptance silently drops)."""
+    from specfit.decoding.assistants import Eagle3Generator
+
+    prompt = PROMPTS[1]
+    model = enabled(prompt, noise=0.0, sharpen=50.0, topk=2, depth=3, pool_nodes=10, max_nodes=5)
+    fed, branched, selected = [], [], []
+
+    class Recording(Eagle3Generator):
+        def start(self, features, next_tokens):
+            fed.append((features.clone(), next_tokens.clone()))
+            super().start(features, next_tokens)
+
+        def select(self, tree, cycle):
+            nodes = super().select(tree, cycle)
+            selected.append((tree, nodes))
+            return nodes
+
+        def observe(self, features, next_tokens):
+            kept = accepted_layout_indices(*selected[-1], next_tokens[0, :-1].tolist())
+            branched.append(kept != list(range(len(kept))))
+            fed.append((features.clone(), next_tokens.clone()))
+            super().observe(features, next_tokens)
+
+    out = model.generate(prompt, max_new_tokens=30, do_sample=False, assistant=Recording)
+    assert torch.equal(out, tiny_moe().generate(prompt, max_new_tokens=30, do_sample=False))
+    assert sum(branched) >= 3  # the case under test happened, more than once
+    features = torch.cat([f for f, _ in fed], dim=1)  # [1, n, 3H]
+    tokens = torch.cat([t for _, t in fed], dim=1)  # [1, n]
+    n = tokens.shape[1]
+    assert torch.equal(tokens, out[:, 1:n + 1])  # pairs (feature of t_i, t_{i+1}), in order
+    with torch.no_grad():
+        hidden = tiny_moe()(out[:, :n], output_hidden_states=True).hidden_states  # embeddings, then each layer
+    expected = torch.cat([hidden[i + 1] for i in model.specfit.drafter.config.aux_layer_ids], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_eagle3_verifies_max_nodes_and_specfit_fewer():
     prompt = PROMPTS[2]
     model = enabled(prompt, noise=0.5)
