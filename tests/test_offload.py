@@ -148,6 +148,35 @@ def test_emulated_link_costs_each_copy():
     assert "emulated" in model.specfit.link_label
 
 
+def test_prefetch_wasted_counts_only_prefetched_experts_a_forward_did_not_use():
+    """Per layer, 2 experts the next forward needs and 3 it does not are prefetched into a cold cache: the forward
+    hits the 2, and exactly the 3 others count as wasted (then nothing more, as nothing was prefetched since);
+    prefetched experts dropped by clear_cache() count as wasted there. Kills the mutant: cache.py counts every
+    prefetched expert as wasted, hits included."""
+    model = tiny_moe()
+    ids = torch.randint(0, 256, (1, 3), generator=torch.Generator().manual_seed(5))
+    needed = router_topk(model, ids).any(0)  # [layers, experts]
+    specfit.enable(model, cache_slots=E)
+    rt, stats = model.specfit, model.specfit.stats
+    ahead = torch.zeros(LAYERS, E, dtype=torch.bool)
+    for layer in range(LAYERS):
+        ahead[layer, needed[layer].nonzero().flatten()[:2]] = True
+        ahead[layer, (~needed[layer]).nonzero().flatten()[:3]] = True
+    rt.prefetch(ahead.numpy())
+    assert stats.total.prefetch_copies == 5 * LAYERS and stats.total.prefetch_wasted == 0
+    logits(model, ids)
+    c = stats.last_forward
+    assert (c.hits, c.misses, c.demand) == (2 * LAYERS, int(needed.sum()) - 2 * LAYERS, int(needed.sum()))
+    assert c.prefetch_wasted == 3 * LAYERS
+    logits(model, ids)
+    assert stats.last_forward.prefetch_wasted == 0 and stats.last_forward.hits == int(needed.sum())
+    rt.clear_cache()
+    before = stats.total.prefetch_wasted
+    rt.prefetch(ahead.numpy())
+    rt.clear_cache()
+    assert stats.total.prefetch_wasted - before == 5 * LAYERS
+
+
 def test_errors():
     dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=1, head_dim=16, intermediate_size=64))
