@@ -1,5 +1,6 @@
 """Route sources for draft nodes: gate and trained predictors, prefetch during drafting, the cache-aware cost."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import SelfDrafter, tiny_moe
@@ -87,7 +88,7 @@ def test_specfit_with_predicted_routes_and_prefetch_is_lossless(route_source, pr
     g = model.specfit.stats.last_generate
     assert g.nodes_per_cycle > 0
     if prefetch:
-        assert g.prefetch_copies > 0 and 0 <= g.prefetch_wasted <= g.prefetch_copies
+        assert g.prefetch_copies > 0 and g.prefetch_wasted < g.prefetch_copies  # some prefetches were hits
     else:
         assert g.prefetch_copies == g.prefetch_wasted == 0
 
@@ -129,7 +130,49 @@ def test_cache_aware_cost_is_lossless_and_needs_its_fit():
     with pytest.raises(ValueError, match="cache-aware"):
         model.generate(PROMPT, max_new_tokens=3, assistant="specfit")
     fitted = calibrate(model, [PROMPT], probes=24, warmup=1, max_new_tokens=40).cost
-    assert fitted.meta["cache_aware"]["beta"] >= 0
+    aware = fitted.cache_aware()  # the same probes fitted on misses, stored beside the demand fit with its checks
+    assert aware.max_nodes == fitted.max_nodes and aware.draft_level_seconds == fitted.draft_level_seconds
+    assert {"r2", "heldout_r2", "beta_interval_s"} <= set(aware.meta)
     model.specfit.cost_model = fitted
     expected = tiny_moe().generate(PROMPT, max_new_tokens=20, do_sample=False)
     assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False, assistant="specfit"), expected)
+
+
+def test_cache_aware_selection_prices_resident_experts_at_nothing():
+    """Every draft node needs the same 15 experts per layer, the root one other, and experts dominate the cost: on
+    full demand no subtree pays (16 experts per layer against 1), so the winner is the root alone. With the 15
+    resident in the slot cache, cost="cache-aware" prices them at nothing and the winner verifies draft nodes; with
+    them evicted it is the root alone again. Kills the mutant: cost="cache-aware" ignores residency and prices full
+    demand."""
+    from specfit.decoding.assistants import SpecFitGenerator
+    from specfit.selection.route_sources import Cycle
+
+    layers, experts = 4, 16
+    shared = np.zeros((layers, experts), dtype=bool)  # [L, E] what every draft node needs
+    shared[:, :15] = True
+    root = ~shared  # [L, E] what the root needs
+    fit = dict(intercepts=(0.010, 0.0105, 0.011, 0.0115, 0.012, 0.0125, 0.013, 0.0135), beta=1.0)
+    cost = CostModel(**fit, meta={"cache_aware": fit})
+    model = tiny_moe()
+    drafter = SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.0)
+    specfit.enable(model, cache_slots=15, drafter=drafter, cost_model=cost, cost="cache-aware")
+    runtime = model.specfit
+
+    def winner():
+        runtime.backoff = None  # a fresh generator that drafts this cycle, whatever the last one chose
+        gen = SpecFitGenerator(model)
+        gen.routes = lambda cycle, tree: (np.broadcast_to(shared, (len(tree), layers, experts)).copy(), root.copy())
+        gen.start(torch.zeros(1, PROMPT.shape[1], 3 * 64), torch.cat([PROMPT[:, 1:], PROMPT[:, :1]], dim=1))
+        cycle = Cycle(model, cache=None, base=PROMPT.shape[1], root=int(PROMPT[0, 0]))
+        tree = gen.draft(cycle)
+        assert len(tree) > 0  # it drafted
+        return gen.select(tree, cycle)
+
+    runtime.prefetch(shared)
+    assert (runtime.resident_mask() == shared).all()
+    assert len(winner()) > 0  # the nodes' experts are resident: free
+    configure(model, cost="paper")
+    assert winner() == ()  # the same residency, priced on full demand
+    configure(model, cost="cache-aware")
+    runtime.clear_cache()
+    assert winner() == ()  # nothing resident: the nodes' experts cost what they do on full demand
