@@ -1,0 +1,94 @@
+"""Small host <-> device transfers that do not stop the host.
+
+On CUDA, a Python list made into a device tensor (``torch.tensor(values, device=cuda)``, or a list used as an index)
+is copied from pageable memory, and that copy blocks the host until the compute stream has drained: at batch 1 the
+GPU then idles until the next launch. The decoding loop moves many small index lists (which rows, which slots, which
+tree positions), so:
+
+- ``Staging.to_device`` writes values into a pinned host buffer and sends them with one ``non_blocking`` copy,
+  queued on the compute stream before the kernels that read them: the host goes on at once. Several arrays share one
+  transfer (``to_device(a, b, c)``).
+- ``to_host`` brings several device tensors to the host in one transfer: one sync instead of one per tensor.
+
+On a CPU "device" both are plain tensor/array conversions. The bottom layer: imports nothing of SpecFit's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_RING = 8  # pinned buffers in rotation: one is rewritten only after its copy has run (checked by its event)
+_CAPACITY = 4096  # int64 values per buffer to start with (32 KiB): grown when a prefill needs more
+
+
+class Staging:
+    """Pinned staging buffers for host -> device transfers of int64 values, on one device."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self._buffers: list[torch.Tensor | None] = [None] * _RING  # pinned int64 [capacity]
+        self._events: list = [None] * _RING  # CUDA events: the copy out of each buffer has run
+        self._next = 0
+        if self.pinned:  # allocated up front: a decode allocates no pinned memory (unless a transfer outgrows them)
+            self._buffers = [torch.empty(_CAPACITY, dtype=torch.int64, pin_memory=True) for _ in range(_RING)]
+
+    def to_device(self, *arrays) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """int64 device tensors holding ``arrays`` (sequences of ints, or integer/bool NumPy arrays; shapes kept), in
+        one transfer. Returns one tensor for one array, else a tuple."""
+        host = [np.asarray(a, dtype=np.int64) for a in arrays]
+        if not self.pinned:
+            out = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in host)
+            return out[0] if len(out) == 1 else out
+        sizes = [a.size for a in host]
+        total = max(1, sum(sizes))
+        i = self._next
+        self._next = (i + 1) % _RING
+        event = self._events[i]
+        if event is not None and not event.query():
+            event.synchronize()  # rare: the ring came round before this buffer's copy ran
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < total:
+            buf = self._buffers[i] = torch.empty(max(total, 2 * buf.numel() if buf is not None else 0),
+                                                 dtype=torch.int64, pin_memory=True)
+        view = buf.numpy()
+        start = 0
+        for a, n in zip(host, sizes):
+            view[start:start + n] = a.reshape(-1)
+            start += n
+        flat = buf[:total].to(self.device, non_blocking=True)  # one copy, ordered on the current stream
+        if event is None:
+            event = self._events[i] = torch.cuda.Event()
+        event.record()
+        out, start = [], 0
+        for a, n in zip(host, sizes):
+            out.append(flat[start:start + n].view(a.shape))
+            start += n
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """NumPy copies of device tensors, moved in one transfer (one host sync). Each keeps its shape and dtype
+    (NumPy dtypes only: cast bfloat16 on the device first)."""
+    if not tensors:
+        return []
+    if tensors[0].device.type == "cpu":  # one read, as on a device (the would-be-sync counter sees one)
+        first = tensors[0].detach().cpu()
+        return [first.numpy()] + [t.detach().numpy() for t in tensors[1:]]
+    # pack as bytes, widest items first so every NumPy view stays aligned
+    order = sorted(range(len(tensors)), key=lambda j: -tensors[j].element_size())
+    parts = [tensors[j].detach().contiguous().reshape(-1).view(torch.uint8) for j in order]
+    packed = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+    out: list[np.ndarray | None] = [None] * len(tensors)
+    start = 0
+    for j, part in zip(order, parts):
+        t = tensors[j]
+        n = part.numel()
+        dtype = torch.empty((), dtype=t.dtype).numpy().dtype
+        out[j] = packed[start:start + n].view(dtype).reshape(tuple(t.shape))
+        start += n
+    return out
+
+
+__all__ = ["Staging", "to_host"]
