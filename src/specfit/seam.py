@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -137,6 +138,21 @@ def experts_forward_batched(experts: nn.Module, x: torch.Tensor, gate_up: torch.
     if down_bias is None:
         return torch.bmm(h, down.transpose(1, 2))  # [n, C, H]
     return torch.baddbmm(down_bias[:, None], h, down.transpose(1, 2))
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rows grouped by ``offs`` (int32 [G], each group's end) times weight [G, K, N] -> [M, N]: torch's
+    grouped matmul (public from torch 2.9 as ``F.grouped_mm``, private ``torch._grouped_mm`` before)."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return fn(x, weight, offs=offs)
+
+
+def experts_forward_grouped(experts: nn.Module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                            offs: torch.Tensor) -> torch.Tensor:
+    """Rows of every slot at once: x [M, H] sorted by slot, ``offs`` (int32 [N]) each slot's end row; gate_up
+    [N, 2I, H] and down [N, H, I] are views over all N slots (no copy) -> [M, H], with the family's gating."""
+    h = grouped_mm(x, gate_up.transpose(1, 2), offs)  # [M, 2I]
+    return grouped_mm(expert_activation(experts, h), down.transpose(1, 2), offs)  # [M, H]
 
 
 def expert_tensors(moe: MoELayer):
@@ -380,21 +396,24 @@ def kv_length(cache: Cache) -> int:
     return int(cache.get_seq_length())
 
 
-def kv_capacity(cache: Cache, needed: int) -> int:
-    """Key/value length the attention sees after writing ``needed`` more positions (the mask's last dimension)."""
+def kv_capacity(cache: Cache, needed: int, length: int | None = None) -> int:
+    """Key/value length the attention sees after writing ``needed`` more positions (the mask's last dimension);
+    ``length``: the committed positions when the caller knows them (a StaticCache's count lives on the device)."""
     if isinstance(cache, StaticCache):
         return cache.layers[0].max_cache_len
-    return kv_length(cache) + needed
+    return (kv_length(cache) if length is None else length) + needed
 
 
 def keep_kv(cache: Cache, base: int, keep: torch.Tensor) -> None:
-    """After a tree forward wrote positions base.., keep only ``base + keep`` ([n] tree indices, ascending) so
-    they become contiguous positions base..base+n-1."""
+    """After a tree forward wrote positions base.., keep only ``base + keep`` ([n] tree indices on the device,
+    ascending) so they become contiguous positions base..base+n-1. Only the tree's tail moves: O(n), not O(context)."""
     n = keep.numel()
     if isinstance(cache, StaticCache):
+        dst = None
         for layer in cache.layers:
-            src = (base + keep).to(layer.keys.device)
-            dst = torch.arange(base, base + n, device=layer.keys.device)
+            if dst is None or dst.device != layer.keys.device:
+                src = base + keep.to(layer.keys.device)
+                dst = torch.arange(base, base + n, device=layer.keys.device)
             layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
             layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
             layer.cumulative_length.fill_(base + n)
@@ -404,9 +423,11 @@ def keep_kv(cache: Cache, base: int, keep: torch.Tensor) -> None:
             # positions before the tree's; a full layer holds all of them (old == base)
             written = layer.cumulative_length - base if _is_sliding(layer) else layer.keys.shape[-2] - base
             old = layer.keys.shape[-2] - written
-            idx = torch.cat([torch.arange(old, device=layer.keys.device), old + keep.to(layer.keys.device)])
-            layer.keys = layer.keys.index_select(2, idx)
-            layer.values = layer.values.index_select(2, idx)
+            idx = old + keep.to(layer.keys.device)
+            kept_k, kept_v = layer.keys.index_select(2, idx), layer.values.index_select(2, idx)  # [B, h, n, D]
+            layer.keys[:, :, old:old + n] = kept_k  # in place: the committed prefix does not move
+            layer.values[:, :, old:old + n] = kept_v
+            layer.keys, layer.values = layer.keys[:, :, :old + n], layer.values[:, :, :old + n]
             if _is_sliding(layer):
                 layer.cumulative_length = base + n
                 window = layer.sliding_window - 1  # all the next forward needs
@@ -415,11 +436,29 @@ def keep_kv(cache: Cache, base: int, keep: torch.Tensor) -> None:
         raise TypeError(f"SpecFit compacts DynamicCache and StaticCache, got {type(cache).__name__}")
 
 
-def crop_kv(cache: Cache, length: int) -> None:
-    """Drop every position from ``length`` on."""
-    extra = kv_length(cache) - length
+def crop_kv(cache: Cache, length: int, current: int | None = None) -> None:
+    """Drop every position from ``length`` on; ``current``: the positions now in the cache, when the caller knows
+    them (a StaticCache's count lives on the device: reading it would stop the host)."""
+    extra = (kv_length(cache) if current is None else current) - length
     if extra > 0:
         cache.crop(-extra)
+
+
+def host_stopping(criteria) -> Callable[[list[int]], bool] | None:
+    """The stopping criteria as a check on the host's token list, with no device read, when every criterion is one
+    whose rule is known (max length, eos); None otherwise (then they run on the ids as transformers runs them)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    lengths, eos = [], set()
+    for c in criteria:
+        if type(c) is MaxLengthCriteria:
+            lengths.append(c.max_length)
+        elif type(c) is EosTokenCriteria:
+            eos.update(int(t) for t in c.eos_token_id.detach().to("cpu").reshape(-1).numpy())
+        else:
+            return None
+    longest = min(lengths) if lengths else None
+    return lambda tokens: (longest is not None and len(tokens) >= longest) or (bool(eos) and tokens[-1] in eos)
 
 
 def _is_sliding(layer) -> bool:

@@ -22,13 +22,15 @@ copy after the other (one queue for demand and prefetch copies alike).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from ..stats import Counters
 from .link import EmulatedLink
-from .lru import LRUSlots
+from .lru import FetchPlan, LRUSlots
 from .store import ExpertStore
 
 
@@ -80,12 +82,18 @@ class CopyEngine:
             raise ValueError("an emulated link is for CPU studies; with device streams the copies are real")
         self.streams = streams
         self.demand_stream = self.prefetch_stream = None
+        self._epoch = None  # CUDA: a timing event every batch is measured from, so batches share one clock
         if streams is not None:
             # priorities order kernels, not DMA: the split into two streams is what keeps demand copies from
             # queueing behind prefetches; the higher priority only helps when both are runnable
             self.demand_stream = streams.new_stream(priority=-1)
             self.prefetch_stream = streams.new_stream(priority=0)
-        self._timings: list[tuple[object, object, Counters]] = []  # (start, end, counters) of unread batches
+            self._epoch = streams.event(timing=True)
+            self._epoch.record(streams.current())
+            self._epoch.synchronize()  # once, at enable: every batch's time is then read on this one clock
+        # (start, end, counters, prefetch) of batches whose time is not read yet
+        self._timings: list[tuple[object, object, Counters, bool]] = []
+        self._demand_spans: list[tuple[float, float]] = []  # recent demand batches (ms since the epoch)
 
     @property
     def on_device(self) -> bool:
@@ -101,7 +109,8 @@ class CopyEngine:
     def copy_batch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], counters: Counters, *,
                    prefetch: bool = False, pinned: bool = True, after=()) -> list:
         """Start the copies ``pairs`` [(dst, src)] in order, after every event in ``after`` (CUDA); return one ticket
-        per copy for ``wait``. Demand copies go on the demand stream, ``prefetch`` ones on the prefetch stream."""
+        per copy for ``wait`` (CUDA: the batch's end event for each; the emulated link: each copy's landing time).
+        Demand copies go on the demand stream, ``prefetch`` ones on the prefetch stream."""
         if not pairs:
             return []
         t0 = time.perf_counter()
@@ -133,15 +142,12 @@ class CopyEngine:
                 stream.wait_event(event)
         start, end = api.event(timing=True), api.event(timing=True)
         start.record(stream)
-        tickets = []
         with api.on(stream):  # one stream switch per batch
-            for i, (dst, src) in enumerate(pairs):
+            for dst, src in pairs:
                 api.copy(dst, src)
-                ready = end if i == len(pairs) - 1 else api.event()  # the last copy's event is the batch's end
-                ready.record(stream)
-                tickets.append(ready)
-        self._timings.append((start, end, counters))
-        return tickets
+        end.record(stream)  # one event per batch: compute waits for the batch, not copy by copy
+        self._timings.append((start, end, counters, prefetch))
+        return [end] * len(pairs)
 
     def wait(self, ticket, counters: Counters) -> None:
         """Compute that reads a copy's destination waits until it has landed (CUDA: the compute stream waits on the
@@ -168,18 +174,31 @@ class CopyEngine:
             stream = self.prefetch_stream if prefetch else self.demand_stream
             stream.wait_stream(self.streams.current())
 
+    def barrier(self) -> None:
+        """Order each copy stream behind everything already queued on the other (after a failed batch, whose copies
+        may be partly issued: a later copy into one of its slots, on either stream, must land after them)."""
+        if self.streams is not None:
+            self.demand_stream.wait_stream(self.prefetch_stream)
+            self.prefetch_stream.wait_stream(self.demand_stream)
+
     def settle(self, counters: Counters | None = None) -> None:
         """Add the copy-path time of finished batches to the counters they were issued for; first wait for every
         batch issued for ``counters`` (a forward's own copies: its last layer cannot finish before they land)."""
-        pending = []
-        for start, end, target in self._timings:
-            if target is counters:
-                end.synchronize()
-            if end.query():
-                target.copy_busy_seconds += start.elapsed_time(end) / 1e3
-            else:
-                pending.append((start, end, target))
-        self._timings = pending
+        last = [end for _, end, target, _ in self._timings if target is counters]
+        if last:
+            last[-1].synchronize()  # one host wait: a forward's batches share the FIFO demand stream
+        done = [t for t in self._timings if t[1].query()]
+        self._timings = [t for t in self._timings if not t[1].query()]
+        # demand batches first: a prefetch batch counts only the time no demand batch was copying (both streams
+        # share the link; summing both would count the shared time twice, above wall time)
+        for start, end, target, prefetch in sorted(done, key=lambda t: t[3]):
+            a, b = self._epoch.elapsed_time(start), self._epoch.elapsed_time(end)  # ms
+            if not prefetch:
+                self._demand_spans = self._demand_spans[-255:] + [(a, b)]
+                target.copy_busy_seconds += (b - a) / 1e3
+                continue
+            shared = sum(max(0.0, min(b, d1) - max(a, d0)) for d0, d1 in self._demand_spans)
+            target.copy_busy_seconds += max(0.0, b - a - shared) / 1e3
 
     def drain(self) -> None:
         """Wait for all device work (every copy in flight included) and count the time of every batch."""
@@ -190,6 +209,39 @@ class CopyEngine:
     def close(self) -> None:
         """Wait for every copy in flight (before slots or arenas are freed)."""
         self.drain()
+
+
+@dataclass
+class Group:
+    """Experts whose weights are ready together, in the order a forward computes them: the hits (resident), then
+    the loads (copied into slots for this forward), then each streamed expert alone (copied through scratch)."""
+
+    kind: str  # "hits" | "loads" | "streamed"
+    experts: list[int]
+    slots: list[int] | None  # their rows of LayerCache.slots; None: `weights` holds them
+    weights: torch.Tensor | None = None  # [n, numel] the streamed expert's scratch buffer
+
+
+@dataclass
+class Fetch:
+    """One forward's experts for one layer, between ``LayerCache.start`` and the end of ``LayerCache.ready``."""
+
+    plan: FetchPlan
+    load_tickets: list  # tickets of the loads' copies, in plan.loads order
+    scratch_tickets: list  # tickets of the first two streamed experts' copies (issued with the loads)
+    counters: Counters  # the forward's counters: copies and waits are charged to them
+
+    @property
+    def groups(self) -> list[tuple[str, list[int], list[int] | None]]:
+        """(kind, experts, slots) of each group ``ready`` will yield, known before any of them is ready."""
+        p = self.plan
+        out = []
+        if p.hits:
+            out.append(("hits", [e for e, _ in p.hits], [s for _, s in p.hits]))
+        if p.loads:
+            out.append(("loads", [e for e, _ in p.loads], [s for _, s in p.loads]))
+        out += [("streamed", [e], None) for e in p.streamed]
+        return out
 
 
 class LayerCache:
@@ -220,95 +272,131 @@ class LayerCache:
     def prefetch(self, experts: list[int], counters: Counters) -> None:
         """Copy the non-resident ``experts`` into slots now (LRU eviction; none are streamed) without waiting, on
         the prefetch stream."""
-        plan = self.lru.plan(experts)
+        plan = self.lru.plan(experts, confirmed=False)
         if not plan.loads:
             return
-        self.engine.before_overwrite(prefetch=True)
-        arena = self.store.arenas[self.layer]
         before = counters.bytes_copied
-        tickets = self.engine.copy_batch([(self.slots[slot], arena[e]) for e, slot in plan.loads], counters,
-                                         prefetch=True, pinned=self.pinned)
+        with self._undo_on_failure(plan):
+            self.engine.before_overwrite(prefetch=True)
+            tickets = self._copy(list(plan.loads), counters, prefetch=True)
+            self.lru.confirm(e for e, _ in plan.loads)
         for (e, slot), ticket in zip(plan.loads, tickets):
             self._pending[slot] = ticket  # after any earlier prefetch into the slot: one stream, in order
             self._prefetched.add(e)
         counters.prefetch_bytes += counters.bytes_copied - before
         counters.prefetch_copies += len(plan.loads)
 
-    def fetch(self, needed: list[int], counters: Counters) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield (expert, flat device weights [numel]) for every needed expert, one by one: each view is yielded
-        once its own copy has landed (``fetch_groups`` batches them). Counts demand, hits and copies."""
-        plan, tickets = self._start(needed, counters)
-        for e, slot in plan.hits:
-            self._wait_prefetch(slot, counters)
-            yield e, self.slots[slot]
-        for (e, slot), ticket in zip(plan.loads, tickets):
-            self.engine.wait(ticket, counters)
-            yield e, self.slots[slot]
-        for e, buf in self._stream(plan.streamed, counters):
-            yield e, buf
+    def start(self, needed: list[int], counters: Counters) -> Fetch:
+        """Plan one forward's experts for this layer, count them, and start their copies: the loads, and the first
+        two streamed experts (into the scratch ring) right behind them, so the link never idles while the hits
+        compute. A load into a slot that a prefetch is still filling goes last, in its own batch, after that
+        prefetch (write after write), so it delays no other copy of the layer."""
+        plan = self.lru.plan(needed, confirmed=False)
+        with self._undo_on_failure(plan):
+            if self._prefetched:  # wasted: prefetched, but not a hit of this forward (unneeded, or evicted meanwhile)
+                counters.prefetch_wasted += len(self._prefetched - {e for e, _ in plan.hits})
+                self._prefetched.clear()
+            counters.demand += len(needed)
+            counters.hits += len(plan.hits)
+            counters.misses += plan.misses
+            counters.streamed += len(plan.streamed)
+            if plan.loads:
+                self.engine.before_overwrite()
+            clean = [(e, s) for e, s in plan.loads if s not in self._pending]
+            late = [(e, s) for e, s in plan.loads if s in self._pending]
+            tickets = dict(zip(clean, self._copy(clean, counters)))
+            scratch = [self._stream_copy(j, e, counters) for j, e in enumerate(plan.streamed[:2])]
+            tickets.update(zip(late, self._copy(late, counters, after=[self._pending.pop(s) for _, s in late])))
+            self.lru.confirm(e for e, _ in plan.loads)
+        return Fetch(plan, [tickets[load] for load in plan.loads], scratch, counters)
+
+    def ready(self, fetch: Fetch) -> Iterator[Group]:
+        """Yield the groups of ``fetch`` as they become ready to compute: the hits (after any prefetch still filling
+        their slots), the loads (after their copies), then each streamed expert (its scratch copy landed; the copy
+        two places later reuses its buffer once the compute reading it is queued)."""
+        plan, counters = fetch.plan, fetch.counters
+        if plan.hits:  # a prefetched expert's copy may still be in flight
+            self._wait_all([self._pending.pop(slot, None) for _, slot in plan.hits], counters)
+            yield Group("hits", [e for e, _ in plan.hits], [s for _, s in plan.hits])
+        if plan.loads:
+            self._wait_all(fetch.load_tickets, counters)
+            yield Group("loads", [e for e, _ in plan.loads], [s for _, s in plan.loads])
+        tickets = list(fetch.scratch_tickets)
+        for i, e in enumerate(plan.streamed):
+            self.engine.wait(tickets[i], counters)
+            yield Group("streamed", [e], None, self._scratch[i % 2][None])
+            # resumed: the compute reading this buffer is queued, so the copy two places later may overwrite it
+            self._scratch_free[i % 2] = self.engine.mark_compute()
+            if i + 2 < len(plan.streamed):
+                tickets.append(self._stream_copy(i + 2, plan.streamed[i + 2], counters))
 
     def fetch_groups(self, needed: list[int], counters: Counters) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """Yield (experts, device weights [n, numel]) in up to three kinds of group, so compute runs a few batched
-        calls per group instead of a few per expert: the resident experts first (their compute overlaps the
-        misses' copies), then every loaded expert once all loads have landed, then each streamed expert alone
-        (through the two-buffer scratch ring). The weights are gathered after the waits (on CUDA: queued on the
-        compute stream behind them). Counts demand, hits and copies."""
-        plan, tickets = self._start(needed, counters)
-        if plan.hits:
-            for _, slot in plan.hits:
-                self._wait_prefetch(slot, counters)
-            yield [e for e, _ in plan.hits], self._gather([slot for _, slot in plan.hits])
-        if plan.loads:
-            for ticket in tickets:
-                self.engine.wait(ticket, counters)
-            yield [e for e, _ in plan.loads], self._gather([slot for _, slot in plan.loads])
-        for e, buf in self._stream(plan.streamed, counters):
-            yield [e], buf[None]
+        """(experts, device weights [n, numel]) group by group (``start`` + ``ready``; the slots gathered)."""
+        for group in self.ready(self.start(needed, counters)):
+            yield group.experts, group.weights if group.weights is not None else self.gather(group.slots)
 
-    def _start(self, needed: list[int], counters: Counters):
-        """Plan one forward's experts, count them, and start the loads' copies; returns (plan, load tickets)."""
-        arena = self.store.arenas[self.layer]
-        plan = self.lru.plan(needed)
-        if self._prefetched:  # wasted: prefetched, but not a hit of this forward (unneeded, or evicted meanwhile)
-            counters.prefetch_wasted += len(self._prefetched - {e for e, _ in plan.hits})
-            self._prefetched.clear()
-        counters.demand += len(needed)
-        counters.hits += len(plan.hits)
-        counters.misses += plan.misses
-        counters.streamed += len(plan.streamed)
-        if plan.loads:
-            self.engine.before_overwrite()
-        # a load overwriting a slot that a prefetch is still filling must land after it (write after write)
-        overwritten = [self._pending.pop(slot) for _, slot in plan.loads if slot in self._pending]
-        tickets = self.engine.copy_batch([(self.slots[slot], arena[e]) for e, slot in plan.loads], counters,
-                                         pinned=self.pinned, after=overwritten)
-        return plan, tickets
+    def fetch(self, needed: list[int], counters: Counters) -> Iterator[tuple[int, torch.Tensor]]:
+        """(expert, flat device weights [numel]) one by one, each its slot's (or scratch buffer's) view, group by
+        group as ``ready`` releases them."""
+        for group in self.ready(self.start(needed, counters)):
+            if group.weights is not None:
+                yield group.experts[0], group.weights[0]
+            else:
+                yield from ((e, self.slots[slot]) for e, slot in zip(group.experts, group.slots))
 
-    def _wait_prefetch(self, slot: int, counters: Counters) -> None:
-        ticket = self._pending.pop(slot, None)  # a prefetched expert: its copy may still be in flight
-        if ticket is not None:
-            self.engine.wait(ticket, counters)
-
-    def _stream(self, experts, counters: Counters) -> Iterator[tuple[int, torch.Tensor]]:
-        arena = self.store.arenas[self.layer]
-        for i, e in enumerate(experts):
-            buf = self._scratch_buffer(i % 2)
-            ticket, = self.engine.copy_batch([(buf, arena[e])], counters, pinned=self.pinned,
-                                             after=(self._scratch_free[i % 2],))
-            self.engine.wait(ticket, counters)
-            yield e, buf
-            # resumed: the compute reading `buf` is queued, so the copy after next may overwrite it once this fires
-            self._scratch_free[i % 2] = self.engine.mark_compute()
-
-    def _gather(self, slots: list[int]) -> torch.Tensor:
-        """[n, numel] weights of the given slots: a view for one slot or a run of consecutive ones, else a copy."""
+    def gather(self, slots: list[int], index: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, numel] weights of the given slots: a view for one slot or a run of consecutive ones, else a copy
+        through ``index`` (the slots as a device tensor, sent without a host sync; made here when not given)."""
         first = slots[0]
         if slots == list(range(first, first + len(slots))):
             return self.slots[first:first + len(slots)]
-        return self.slots.index_select(0, torch.tensor(slots, device=self.slots.device))
+        if index is None:
+            index = torch.as_tensor(slots).to(self.slots.device, non_blocking=True)
+        return self.slots.index_select(0, index)
+
+    def _wait_all(self, tickets: list, counters: Counters) -> None:
+        """Wait once for each distinct ticket (CUDA: a batch's end event stands for all its copies; the emulated
+        link: the latest landing time stands for the earlier ones)."""
+        tickets = [t for t in tickets if t is not None]
+        if not tickets:
+            return
+        if isinstance(tickets[0], float):
+            self.engine.wait(max(tickets), counters)
+            return
+        for ticket in {id(t): t for t in tickets}.values():
+            self.engine.wait(ticket, counters)
+
+    def _copy(self, loads: list[tuple[int, int]], counters: Counters, after=(), prefetch: bool = False) -> list:
+        arena = self.store.arenas[self.layer]
+        return self.engine.copy_batch([(self.slots[slot], arena[e]) for e, slot in loads], counters,
+                                      prefetch=prefetch, pinned=self.pinned, after=after)
+
+    def _stream_copy(self, i: int, expert: int, counters: Counters):
+        buf = self._scratch_buffer(i % 2)
+        ticket, = self.engine.copy_batch([(buf, self.store.arenas[self.layer][expert])], counters,
+                                         pinned=self.pinned, after=(self._scratch_free[i % 2],))
+        return ticket
+
+    @contextmanager
+    def _undo_on_failure(self, plan: FetchPlan):
+        """Whatever fails between the plan and its copies (an interrupt, an OOM, a failed copy), no slot stays marked
+        as holding an expert it may not hold: the plan's loads are forgotten (the next forward copies them again), and
+        the copy streams are ordered behind what was already issued. (An interrupt that lands before this block is
+        entered, or inside the plan itself, is covered by the LRU: loads count only once confirmed.)"""
+        try:
+            yield
+        except BaseException:
+            self.lru.forget([e for e, _ in plan.loads])
+            for _, slot in plan.loads:
+                self._pending.pop(slot, None)
+            self.engine.barrier()
+            raise
 
     def _scratch_buffer(self, i: int) -> torch.Tensor:
         if self._scratch is None:
             self._scratch = torch.empty(2, self.store.expert_numel, dtype=self.store.dtype, device=self.engine.device)
             self.engine.adopt(self._scratch)
+            # fresh memory may be what compute still queued was reading (freed, reused on the compute stream): the
+            # first copies into it wait for that compute
+            self._scratch_free = [self.engine.mark_compute()] * 2
         return self._scratch[i]

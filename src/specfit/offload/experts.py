@@ -1,10 +1,17 @@
 """The ``"specfit"`` experts implementation: an experts forward that reads expert weights through the slot cache
 instead of the module's own (released) parameters.
 
-Compute is batched per *group* of experts that become ready together (``LayerCache.fetch_groups``): the resident
-experts, then the loaded ones, then each streamed one. A group runs as a few batched calls whatever its size (its
-experts' rows padded to the busiest expert's count), so a forward costs a few torch calls per layer, not a few per
-expert; the hits' compute still runs while the misses copy.
+Per layer and forward: the routes reach the host once (the one planned host sync: the layer's experts are known
+only then); the host plans everything else — which experts are hits, loads or streamed, and for each group of
+experts that become ready together (``LayerCache.ready``), which rows each reads and where its outputs go — and sends
+those indices to the device in one transfer that does not stop the host (``transfer.Staging``). Compute then runs a
+few batched calls per group, the hits' compute overlapping the misses' copies:
+
+- *gathered* (CPU, and CUDA where grouped matmuls cannot run): each group's rows padded to its busiest expert's count
+  and one ``bmm`` per projection over the group's weights, gathered from the slots (a view when they are consecutive);
+- *grouped* (CUDA, bfloat16, no expert biases): one ``grouped_mm`` per projection over *all* slots, with the rows
+  sorted by slot and per-slot offsets, so no weight is copied on the device (transformers' grouped_mm path does the
+  same over its parameters).
 
 The result does not depend on which experts were resident: every (token, k) contribution is written to its own row
 and the k rows of a token are summed in a fixed order at the end, as transformers' batched path does.
@@ -12,13 +19,17 @@ and the k rows of a token are summed in a fixed order at the end, as transformer
 
 from __future__ import annotations
 
-from typing import Iterator
+import logging
+import warnings
 
+import numpy as np
 import torch
 
 from .. import seam
+from ..transfer import to_host
 
 ATTR = "_specfit"  # attribute on each patched experts module, pointing to its LayerRuntime
+log = logging.getLogger("specfit")
 
 
 class LayerRuntime:
@@ -26,56 +37,152 @@ class LayerRuntime:
         # runtime: the SpecFitRuntime (model.specfit); cache: this layer's LayerCache; index: 0-based among MoE layers
         self.runtime, self.index, self.cache = runtime, index, cache
 
-    def _untracked(self, needed: list[int]) -> Iterator[tuple[list[int], torch.Tensor]]:
-        arena = self.runtime.store.arenas[self.index]  # measurement path: no slots, no counters, no emulated link
-        yield needed, arena[needed].to(self.cache.engine.device, non_blocking=False)
-
     def forward(self, module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         rt = self.runtime
         num_tokens, top_k = top_k_index.shape
         rt.routes.record(self.index, top_k_index)
-        flat = top_k_index.reshape(-1)  # [T*k]
-        order = torch.argsort(flat, stable=True)  # [T*k] (token, k) positions grouped by expert
-        # the one planned host sync per layer: the routes' single transfer to the host (a CUDA bincount would add two
-        # more, hidden: it reads min and max on the host); the grouping `order` stays on the device
-        counts = torch.bincount(flat.cpu(), minlength=rt.store.num_experts).tolist()
-        starts, needed, s = {}, [], 0
-        for e, c in enumerate(counts):
-            if c:
-                starts[e] = (s, c)
-                needed.append(e)
-                s += c
-        rows = hidden_states[order // top_k]  # [T*k, H] inputs in expert order
-        grouped = torch.empty_like(rows)  # [T*k, H] outputs in expert order
-        source = self._untracked(needed) if rt.untracked else self.cache.fetch_groups(needed, rt.forward_counters)
-        for experts, weights in source:
-            parts = rt.store.layout.split_batch(weights)  # one expert's math is the family's: seam
-            spans = [starts[e] for e in experts]
-            width = max(c for _, c in spans)  # each expert's rows padded to the busiest one's (with a repeated row)
-            take = [st + min(j, c - 1) for st, c in spans for j in range(width)]
-            dest = [st + j for st, c in spans for j in range(c)]
-            x = rows[take[0]:take[0] + len(take)] if _is_run(take) else rows[take]  # [n*C, H]
-            y = seam.experts_forward_batched(module, x.view(len(experts), width, -1), *parts).view(len(take), -1)
-            if len(dest) < len(take):  # drop the padding rows
-                y = y[[g * width + j for g, (_, c) in enumerate(spans) for j in range(c)]]
-            _put(grouped, dest, y)
-        out = torch.empty_like(grouped)
-        out[order] = grouped  # back to (token, k) order
-        out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
-        return out.view(num_tokens, top_k, -1).sum(dim=1)
+        flat = to_host(top_k_index.reshape(-1))[0]  # [T*k] the one planned host sync per layer
+        counts = np.bincount(flat, minlength=rt.store.num_experts)  # [E] on the host: no device bincount
+        needed = np.flatnonzero(counts).tolist()
+        if rt.untracked:
+            groups, weights = [("untracked", needed, None)], [self._untracked(needed)]
+            ready = iter([None])
+        else:
+            fetch = self.cache.start(needed, rt.forward_counters)
+            groups, weights, ready = fetch.groups, None, self.cache.ready(fetch)
+        grouped = rt.grouped_experts and weights is None
+        rows = rows_by_expert(flat, needed)
+        plans = [plan_group(rows, counts, top_k, len(flat), experts, slots, grouped and slots is not None,
+                            self.cache.num_slots) for kind, experts, slots in groups]
+        # every index of the layer in one host -> device transfer: rows to read, rows to write, slots (or offsets)
+        index = rt.staging.to_device(*[a for p in plans for a in p.arrays()])
+        index = [index] if isinstance(index, torch.Tensor) else list(index)
+        hidden = hidden_states.shape[-1]
+        out = hidden_states.new_empty(num_tokens * top_k + 1, hidden)  # [T*k + 1, H]: the last row takes padding
+        for g, ((kind, experts, slots), plan) in enumerate(zip(groups, plans)):
+            group = next(ready)
+            take, dest, extra = index[3 * g: 3 * g + 3]
+            x = hidden_states.index_select(0, take)  # [rows, H]
+            if plan.offsets is not None:  # grouped over every slot: no weight moves
+                parts = rt.store.layout.split_batch(self.cache.slots)
+                y = seam.experts_forward_grouped(module, x, parts[0], parts[1], extra.to(torch.int32))
+            else:
+                w = weights[0] if weights is not None else group.weights if group.weights is not None else \
+                    self.cache.gather(slots, extra)  # [n, numel]
+                parts = rt.store.layout.split_batch(w)  # one expert's math is the family's: seam
+                y = seam.experts_forward_batched(module, x.view(len(experts), plan.width, -1), *parts)
+            out.index_copy_(0, dest, y.reshape(-1, hidden))
+        for _ in ready:  # the last group's waits are done; close the generator (marks the scratch ring free)
+            pass
+        out = out[:-1] * top_k_weights.reshape(-1, 1).to(out.dtype)
+        return out.view(num_tokens, top_k, hidden).sum(dim=1)
+
+    def _untracked(self, needed: list[int]) -> torch.Tensor:
+        """The needed experts' weights [n, numel] straight from the arena, for the route oracle's measurement
+        forwards: no slots, no counters, no emulated link. One asynchronous copy per expert from the pinned rows
+        (no gather into fresh pageable memory first)."""
+        arena = self.runtime.store.arenas[self.index]
+        device = self.cache.engine.device
+        if device.type == "cpu":
+            return arena.index_select(0, torch.as_tensor(needed))
+        buf = torch.empty(len(needed), arena.shape[1], dtype=arena.dtype, device=device)
+        for i, e in enumerate(needed):
+            buf[i].copy_(arena[e], non_blocking=True)
+        return buf
 
 
-def _is_run(index: list[int]) -> bool:
-    return index == list(range(index[0], index[0] + len(index)))
+class GroupPlan:
+    """Host-side indices of one group: ``take`` (token rows read, padded), ``dest`` ((token, k) rows written; padding
+    to the dummy last row), and the slots to gather or, grouped, per-slot row offsets."""
+
+    __slots__ = ("take", "dest", "slots", "offsets", "width")
+
+    def __init__(self, take, dest, slots, offsets, width):
+        self.take, self.dest, self.slots, self.offsets, self.width = take, dest, slots, offsets, width
+
+    def arrays(self) -> tuple:
+        return self.take, self.dest, self.offsets if self.offsets is not None else (self.slots or [])
 
 
-def _put(dst: torch.Tensor, index: list[int], values: torch.Tensor) -> None:
-    """dst[index] = values, as a slice copy when the index is a run."""
-    if _is_run(index):
-        dst[index[0]:index[0] + len(index)] = values
-    else:
-        dst[index] = values
+def plan_group(rows: dict[int, list[int]], counts: np.ndarray, top_k: int, pad: int, experts: list[int],
+               slots: list[int] | None, grouped: bool, num_slots: int) -> GroupPlan:
+    """Indices for one group. ``rows[e]``: the (token, k) rows routed to expert e (``rows_by_expert``); ``counts``
+    [E]: how many; ``pad``: T*k, the dummy row padding is written to.
+
+    ``slots``: each expert's slot (None: the weights are in a buffer of their own, in ``experts`` order).
+    Gathered: expert j's rows are ``take[j*C:(j+1)*C]``, padded to the group's busiest count C with its last row
+    repeated; their outputs go to ``dest`` (padding rows to row T*k, dropped).
+    Grouped: rows sorted by slot, unpadded; ``offsets[s]`` ends slot s's rows.
+
+    >>> flat = np.array([3, 1, 1, 0])   # token 0 -> experts 3, 1; token 1 -> experts 1, 0 (top_k = 2)
+    >>> rows, counts = rows_by_expert(flat, [0, 1, 3]), np.bincount(flat, minlength=4)
+    >>> p = plan_group(rows, counts, 2, 4, [1, 3], [2, 0], False, 4)
+    >>> p.take, p.dest, p.width
+    ([0, 1, 0, 0], [1, 2, 0, 4], 2)
+    >>> p = plan_group(rows, counts, 2, 4, [1, 3], [2, 0], True, 4)
+    >>> p.take, p.dest, p.offsets
+    ([0, 0, 1], [0, 1, 2], [1, 1, 3, 3])
+    """
+    if grouped:
+        by_slot = sorted(zip(slots, experts))
+        take, dest, per_slot = [], [], [0] * num_slots
+        for slot, e in by_slot:
+            r = rows[e]
+            take += [i // top_k for i in r]
+            dest += r
+            per_slot[slot] = len(r)
+        return GroupPlan(take, dest, None, np.cumsum(per_slot).tolist(), 0)
+    width = max(int(counts[e]) for e in experts)
+    take, dest = [], []
+    for e in experts:
+        r = rows[e]
+        take += [i // top_k for i in r] + [r[-1] // top_k] * (width - len(r))
+        dest += r + [pad] * (width - len(r))
+    return GroupPlan(take, dest, slots, None, width)
+
+
+def rows_by_expert(flat: np.ndarray, experts: list[int]) -> dict[int, list[int]]:
+    """expert -> its (token, k) rows of ``flat`` [T*k], ascending."""
+    order = np.argsort(flat, kind="stable")
+    ids = flat[order]
+    starts = np.searchsorted(ids, experts, side="left")
+    ends = np.searchsorted(ids, experts, side="right")
+    return {e: order[a:b].tolist() for e, a, b in zip(experts, starts, ends)}
+
+
+def grouped_experts_supported(device: torch.device, dtype: torch.dtype, layout) -> tuple[bool, str]:
+    """Whether experts can run grouped over the slots on this device: CUDA, bfloat16, no expert biases, and a
+    grouped matmul over a slot-shaped weight view that matches per-expert matmuls (checked once, on the device)."""
+    if device.type != "cuda":
+        return False, "not a CUDA device (grouped matmuls on the CPU loop over every slot)"
+    if dtype != torch.bfloat16:
+        return False, f"grouped matmuls take bfloat16 weights, these are {dtype}"
+    if layout.bias:
+        return False, "the experts have biases, which grouped matmuls do not add"
+    try:
+        slots = torch.randn(3, layout.numel, device=device, dtype=dtype)
+        gate_up = slots[:, :2 * layout.intermediate * layout.hidden].view(3, 2 * layout.intermediate, layout.hidden)
+        x = torch.randn(5, layout.hidden, device=device, dtype=dtype)
+        offs = torch.tensor([2, 2, 5], device=device, dtype=torch.int32)
+        got = seam.grouped_mm(x, gate_up.transpose(1, 2), offs)
+        want = torch.cat([x[:2] @ gate_up[0].T, x[2:] @ gate_up[2].T])
+        if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+            return False, "grouped matmul on a slot view disagrees with per-expert matmuls"
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+        return False, f"grouped matmul failed on this device: {type(e).__name__}: {e}"
+    return True, "grouped matmuls over the slots"
+
+
+def choose_experts_path(device: torch.device, dtype: torch.dtype, layout) -> bool:
+    """True: grouped. On CUDA in bfloat16 without biases a failure of the grouped path is unexpected: said loudly."""
+    ok, reason = grouped_experts_supported(device, dtype, layout)
+    if not ok and device.type == "cuda" and dtype == torch.bfloat16 and not layout.bias:
+        warnings.warn(f"SpecFit computes experts with gathered weights (a device copy of each group's weights per "
+                      f"layer): {reason}", RuntimeWarning, stacklevel=3)
+    elif device.type == "cuda":
+        log.info("specfit experts path: %s (%s)", "grouped" if ok else "gathered", reason)
+    return ok
 
 
 def specfit_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

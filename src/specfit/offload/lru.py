@@ -46,27 +46,37 @@ class LRUSlots:
         self.num_experts = num_experts
         self._order: OrderedDict[int, int] = OrderedDict()  # expert -> slot, LRU first
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # loads planned whose copies have not been confirmed as issued: forgotten by the next plan unless confirmed
+        # (an interrupt between a plan and its copies must not leave a slot marked with an expert it never got)
+        self._unconfirmed: set[int] = set()
 
     def slot_of(self, expert: int) -> int | None:
-        return self._order.get(expert)
+        return None if expert in self._unconfirmed else self._order.get(expert)
 
     @property
     def resident(self) -> dict[int, int]:
-        """expert -> slot, least recently used first."""
+        """expert -> slot, least recently used first (loads not yet confirmed excluded)."""
+        if self._unconfirmed:
+            return {e: s for e, s in self._order.items() if e not in self._unconfirmed}
         return dict(self._order)
 
     def clear(self) -> None:
         self._order.clear()
+        self._unconfirmed.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
 
-    def plan(self, needed: Iterable[int]) -> FetchPlan:
-        """Assign slots for one forward's ``needed`` experts (distinct ids) and update the LRU order."""
+    def plan(self, needed: Iterable[int], confirmed: bool = True) -> FetchPlan:
+        """Assign slots for one forward's ``needed`` experts (distinct ids) and update the LRU order. With
+        ``confirmed=False`` the loads are resident only once ``confirm`` says their copies were issued: the next plan
+        forgets them otherwise (what the slot cache uses, so an interrupt cannot leave a stale mark)."""
         needed = list(needed)
         if len(set(needed)) != len(needed):
             raise ValueError(f"needed experts must be distinct, got {needed}")
         for e in needed:
             if not 0 <= e < self.num_experts:
                 raise ValueError(f"expert id {e} out of range 0..{self.num_experts - 1}")
+        if self._unconfirmed or len(self._free) + len(self._order) != self.num_slots:
+            self._recover()
         hits, misses = [], []
         for e in needed:
             slot = self._order.get(e)
@@ -82,10 +92,32 @@ class LRUSlots:
             if slot is None:
                 streamed.append(e)
                 continue
+            if not confirmed:
+                self._unconfirmed.add(e)  # before the slot is marked: an interrupt in between leaves nothing stale
             self._order[e] = slot
             in_use.add(e)
             loads.append((e, slot))
         return FetchPlan(tuple(hits), tuple(loads), tuple(streamed), tuple(evicted))
+
+    def confirm(self, experts: Iterable[int]) -> None:
+        """The copies of these planned loads have been issued: they are resident."""
+        self._unconfirmed.difference_update(experts)
+
+    def forget(self, experts: Iterable[int]) -> None:
+        """Mark ``experts`` as not resident and free their slots (a plan whose copies did not all happen)."""
+        for e in experts:
+            self._unconfirmed.discard(e)
+            slot = self._order.pop(e, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def _recover(self) -> None:
+        """After an interrupted plan: drop unconfirmed loads and rebuild the free list from what is assigned."""
+        for e in list(self._unconfirmed):
+            self._order.pop(e, None)
+        self._unconfirmed.clear()
+        used = set(self._order.values())
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
 
     def _take_slot(self, in_use: set[int], evicted: list[int]) -> int | None:
         if self._free:

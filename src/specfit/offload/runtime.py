@@ -3,17 +3,23 @@ and the decoding parts (drafter, cost model, route source)."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from contextlib import contextmanager
 
 import torch
 
 from ..stats import Counters, Stats
+from ..transfer import Staging
 from .cache import CopyEngine, LayerCache
 from .config import OffloadConfig
-from .experts import LayerRuntime
+from .experts import LayerRuntime, choose_experts_path
 from .link import EmulatedLink
 from .routes import RouteRecorder
 from .store import ExpertStore
+
+log = logging.getLogger("specfit")
 
 
 class SpecFitRuntime:
@@ -28,7 +34,13 @@ class SpecFitRuntime:
             self.stats.settle = self.engine.drain
         self.layers = [LayerRuntime(self, i, LayerCache(store, i, config.cache_slots, self.engine))
                        for i in range(num_layers)]
+        self.staging = Staging(self.device)  # index lists reach the device without a host sync
+        # experts grouped over all slots where the device can (CUDA, bf16): no per-layer copy of gathered weights
+        self.grouped_experts = choose_experts_path(self.device, store.dtype, store.layout)
         self.forward_counters = Counters()
+        # one call at a time on this model: the slot LRU, the counters, the route recorder, the drafter's features
+        # and the pending assistant request are per model (reentrant: generate() holds it across its forwards)
+        self.lock = threading.RLock()
         self.untracked = False
         self.request = None  # the assistant of the generate() call in progress
         self.request_served = False  # whether generate() reached SpecFit's loop for it
@@ -74,6 +86,21 @@ class SpecFitRuntime:
         """Empty every slot of every layer (prefetched experts no forward used count as wasted)."""
         for layer in self.layers:
             layer.cache.clear(self.stats.total)
+
+    @contextmanager
+    def serialized(self, what: str = "generate()"):
+        """Hold this model's lock (waiting for a call in another thread to finish); yields the seconds waited."""
+        t0 = time.perf_counter()
+        if not self.lock.acquire(blocking=False):
+            log.debug("specfit: %s waits for a call in another thread on this model", what)
+            self.lock.acquire()
+        waited = time.perf_counter() - t0
+        if waited > 1e-3:
+            log.debug("specfit: %s waited %.3f s for another thread's call on this model", what, waited)
+        try:
+            yield waited
+        finally:
+            self.lock.release()
 
     # called by forward hooks on the model -----------------------------------------------------------------------
     def begin_forward(self) -> None:
