@@ -96,6 +96,8 @@ class SpecFitGenerator(Eagle3Generator):
         self.level_costs = [self.cost.at_levels(level) for level in range(1, opts.depth + 1)] \
             if self.cost.draft_levels else None
         self.routes = resolve_route_source(model, opts.route_source)
+        if hasattr(self.routes, "attach"):  # a predictor runs inside the drafter's levels
+            self.routes.attach(self.drafter)
         self.cache_aware = opts.cost == "cache-aware"
         self.prefetch = opts.prefetch
         self.winner = None

@@ -15,6 +15,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .. import seam
 from ..drafting.tree import verify_layout
+from ..transfer import to_host
 from ..selection.route_sources import Cycle
 from .acceptance import walk, walk_greedy
 
@@ -61,7 +62,8 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
     cache = seam.ensure_room(model, cache, generation_config.max_length + runtime.options.pool_nodes + 1)
     do_sample = bool(generation_config.do_sample)
     gen = assistant(model)
-    run = _Run(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+    run = _Run(input_ids, logits_processor, stopping_criteria, generation_config, streamer, runtime.staging)
+    dtype, staging = seam.compute_dtype(model), runtime.staging
     scope = runtime.stats.begin_generate()
 
     # 0. prefill: the prompt's KV and features; its last logits give the first token (the first root)
@@ -71,17 +73,18 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
     scope.prefill_done()  # from here on, everything is decode time: the first token, the drafter's prompt pass
     first = walk(lambda t: [], [], lambda t, acc: run.scores(out.logits[0, -1], acc), do_sample)
     run.commit(first)
+    kv = input_ids.shape[1]  # positions in the KV cache, known on the host (a static cache counts on the device)
     if not run.done:
-        gen.start(features, torch.cat([input_ids[:, 1:], run.ids[:, -1:]], dim=1))
+        gen.start(features, torch.cat([input_ids[:, 1:], staging.to_device([[run.tokens[-1]]])], dim=1))
 
     while not run.done:
         t0 = time.perf_counter()
-        cycle = Cycle(model, cache, base=seam.kv_length(cache), root=int(run.ids[0, -1]))
+        cycle = Cycle(model, cache, base=kv, root=run.tokens[-1])
         tree = gen.draft(cycle)  # 1. draft
         nodes = gen.select(tree, cycle)  # 2. select
         t_drafted = time.perf_counter()
-        layout = verify_layout(tree, nodes, cycle.root, cycle.base, seam.kv_capacity(cache, len(nodes) + 1),
-                               seam.compute_dtype(model), runtime.device)
+        layout = verify_layout(tree, nodes, cycle.root, kv, seam.kv_capacity(cache, len(nodes) + 1, kv), dtype,
+                               staging)
         masks = None if layout.mask is None else \
             seam.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
         out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=masks,
@@ -89,27 +92,30 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         verify = runtime.stats.last_forward
         tokens = [cycle.root] + [tree.tokens[v] for v in layout.nodes]  # the host has them: no device round trip
         if run.plain_greedy:  # 4. accept (one transfer of every position's argmax when scores are raw logits)
-            acc = walk_greedy(layout.children, tokens, out.logits[0].argmax(-1).tolist(),
-                              lambda t: out.logits[0, t].float())
+            choices = to_host(out.logits[0].argmax(-1))[0].tolist()
+            acc = walk_greedy(layout.children, tokens, choices, run.raw_scores(out.logits[0]))
         else:
             acc = walk(layout.children, tokens, lambda t, accepted: run.scores(out.logits[0, t], accepted),
                        do_sample)
         kept = [0] + acc.path  # tree indices, ascending
-        if kept == list(range(len(kept))):  # 5. compact: the path is a prefix of the layout, so cropping suffices
-            seam.crop_kv(cache, cycle.base + len(kept))
+        prefix = kept == list(range(len(kept)))
+        kept_d = None if prefix else staging.to_device(kept)
+        if prefix:  # 5. compact: the path is a prefix of the layout, so cropping suffices
+            seam.crop_kv(cache, kv + len(kept), current=kv + len(tokens))
         else:
-            seam.keep_kv(cache, cycle.base, torch.tensor(kept, device=runtime.device))
+            seam.keep_kv(cache, kv, kept_d)
+        kv += len(kept)
         committed = run.commit(acc)  # 6. observe
         if not run.done:
             features = runtime.aux_capture.features()  # [1, n+1, 3H]
-            gen.observe(features if len(kept) == features.shape[1] else features[:, kept],
-                        torch.tensor([acc.tokens], device=runtime.device))
+            features = features[:, :len(kept)] if prefix else features.index_select(1, kept_d)
+            gen.observe(features, staging.to_device([acc.tokens]))
         scope.cycle(pool=len(tree), verified=len(nodes), committed=committed, demand=verify.demand,
                     misses=verify.misses, seconds=time.perf_counter() - t0, measurement=cycle.measurement_seconds,
                     draft_seconds=t_drafted - t0)
 
-    seam.crop_kv(cache, run.ids.shape[1] - 1)  # tokens cut by the stopping criteria leave no KV behind
-    scope.end(new_tokens=run.ids.shape[1] - input_ids.shape[1])
+    seam.crop_kv(cache, run.length - 1, current=kv)  # tokens cut by the stopping criteria leave no KV behind
+    scope.end(new_tokens=run.length - input_ids.shape[1])
     if streamer is not None:
         streamer.end()
     return run.result(cache)
@@ -117,23 +123,48 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
 
 class _Run:
     """The sequence being generated: logits processing per tree node, committing tokens one by one against the
-    stopping criteria (max length, eos, stop strings) exactly as plain decoding does, streaming, outputs."""
+    stopping criteria (max length, eos, stop strings) exactly as plain decoding does, streaming, outputs.
 
-    def __init__(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer):
-        self.ids, self.processors, self.stopping = input_ids, logits_processor, stopping_criteria
-        self.config, self.streamer = generation_config, streamer
+    The tokens live on the host (``tokens``); their device copy ``ids`` is brought up to date only when something
+    reads it (logits processors, stopping criteria other than max length and eos, the result), in one transfer."""
+
+    def __init__(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, staging):
+        self.processors, self.stopping = logits_processor, stopping_criteria
+        self.config, self.streamer, self.staging = generation_config, streamer, staging
+        self.tokens: list[int] = input_ids[0].tolist()  # one read per call
+        self._ids, self._synced = input_ids, len(self.tokens)  # device ids [1, synced]
+        self.host_stop = seam.host_stopping(stopping_criteria)  # None: the criteria read device ids
         # greedy with no logits processor and no raw logits kept: the scores are the logits themselves
         self.plain_greedy = not generation_config.do_sample and len(logits_processor) == 0 and \
             not generation_config.output_logits
+        self.keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.done = False
         self.all_scores, self.all_logits = [], []
         self._raw: list[torch.Tensor] = []  # raw logits behind each scores() call of this cycle, in walk order
 
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """[1, length] the tokens on the device (appending what the host added since the last read)."""
+        if self._synced < len(self.tokens):
+            new = self.staging.to_device([self.tokens[self._synced:]]).to(self._ids.dtype)
+            self._ids, self._synced = torch.cat([self._ids, new], dim=1), len(self.tokens)
+        return self._ids
+
+    def raw_scores(self, logits: torch.Tensor):
+        """scores_at(t) for the greedy walk: the raw logits row, kept only when output_scores asks for it."""
+        return (lambda t: logits[t].float()) if self.keep_scores else (lambda t: None)
+
     def scores(self, logits: torch.Tensor, accepted: list[int]) -> torch.Tensor:
         """Processed scores [V] for a node reached through ``accepted`` tokens after the committed ones."""
-        prefix = self.ids if not accepted else torch.cat(
-            [self.ids, torch.tensor([accepted], device=self.ids.device)], dim=1)
         raw = logits.float()[None]  # [1, V]
+        if len(self.processors) == 0 and not self.config.output_logits:
+            return raw[0]
+        prefix = self.ids if not accepted else torch.cat(
+            [self.ids, self.staging.to_device([accepted]).to(self._ids.dtype)], dim=1)
         if self.config.output_logits:  # kept only when asked for: processors may change their input in place
             self._raw.append(raw)
             raw = raw.clone()
@@ -145,17 +176,24 @@ class _Run:
         new = []
         raw, self._raw = self._raw, []
         for i, (token, scores) in enumerate(zip(acc.tokens, acc.scores)):
-            self.ids = torch.cat([self.ids, torch.tensor([[token]], device=self.ids.device)], dim=1)
-            self.all_scores.append(scores[None])
+            self.tokens.append(token)
+            if self.keep_scores:
+                self.all_scores.append(scores[None])
             if raw:
                 self.all_logits.append(raw[i])
             new.append(token)
-            if bool(self.stopping(self.ids, tuple(self.all_scores)).any()):
+            if self._stop():
                 self.done = True
                 break
         if self.streamer is not None and new:
             self.streamer.put(torch.tensor([new]))
         return len(new)
+
+    def _stop(self) -> bool:
+        if self.host_stop is not None:
+            return self.host_stop(self.tokens)
+        scores = tuple(self.all_scores) if self.keep_scores else None  # what transformers' own loop passes
+        return bool(self.stopping(self.ids, scores).any())
 
     def result(self, cache):
         if not self.config.return_dict_in_generate:

@@ -8,16 +8,23 @@ configurable; SpecFit's defaults are the paper's: top-2, depth 5, 18 nodes.
 
 *Processing* a node runs the drafter on (its drafting state, its token) at position ``stable + depth - 1``; the
 output predicts its children and is the node's own *state* (the drafter's pre-norm hidden, an estimate of the
-target's feature of that token). Expansion processes the top-k frontier; route predictors may ask for the states of
-all nodes of a level, processed in the same single forward.
+target's feature of that token). A level is processed as soon as it is added, in one forward: the nodes the next
+level expands (the level's top-k), or all of its nodes when a ``route_head`` reads their states (route predictors).
+
+One host sync per drafted level: everything the host needs from a level's forward (its nodes' top-k children and,
+with a route head, their routes) comes back in one transfer (``transfer.to_host``), and everything the forward
+needs from the host (tokens, positions, tree mask) goes in one non-blocking transfer (``transfer.Staging``). Level
+1's nodes are processed straight from the device's top-k, before their tokens ever reach the host.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
+from ..transfer import Staging, to_host
 from .drafter import DraftCache, Eagle3Drafter
 from .tree import DraftTree, ancestors_or_self
 
@@ -32,10 +39,16 @@ class TreeDrafter:
         self.stable = 0  # drafter positions of committed tokens
         self.root_logits: torch.Tensor | None = None  # [Vd] prediction for the children of the root
         self.root_state: torch.Tensor | None = None  # [H] the root token's state (it made root_logits)
+        # states [n, H] -> bool routes [n, L, E] on the device (a RoutePredictor's ``routes``); when set, every node
+        # is processed and its routes come back with the level
+        self.route_head: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.tree = DraftTree()
+        self._staging: Staging | None = None
         self._drafted_by: dict[int, torch.Tensor] = {}  # node -> state of its parent (what drafted it) [H]
         self._out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # processed node -> (logits [Vd], state [H])
         self._slot: dict[int, int] = {}  # processed node -> its drafter KV position
+        self._children: dict[int, tuple[list[float], list[int]]] = {}  # processed node -> its top-k (q, tokens)
+        self._routes: dict[int, np.ndarray] = {}  # node (-1: the root) -> bool routes [L, E], host
 
     def reset(self) -> None:
         self.cache, self.stable = DraftCache(), 0
@@ -58,60 +71,126 @@ class TreeDrafter:
             raise RuntimeError("TreeDrafter.extend() must run before drafting")
         self.cache.crop(self.stable)
         self.tree, self._drafted_by, self._out, self._slot = DraftTree(), {}, {}, {}
-        self._add_children([(-1, self.root_logits, self.root_state)])
-        yield self.tree
+        self._children, self._routes = {}, {}
+        tree = self.tree
+        # level 1: the root's children, processed from the device's top-k before their tokens reach the host
+        q, ids = self._topk(self.root_logits[None])  # [1, k], [1, k]
+        first = min(self.topk, self.max_pool)
+        for _ in range(first):
+            self._drafted_by[tree.add(-1, -1, 0.0)] = self.root_state  # tokens and probabilities: below
+        process = list(range(first)) if self.route_head is not None or self.depth > 1 else []
+        root_q, root_ids = self._process(process, ids[0, :first], root=(q, ids))
+        for v in range(first):
+            tree.tokens[v], tree.path_probs[v] = int(root_ids[0, v]), float(root_q[0, v])
+        yield tree
         for level in range(2, self.depth + 1):
-            newest = self.tree.level(level - 1)
-            frontier = sorted(newest, key=lambda v: -self.tree.path_probs[v])[: self.topk]
-            if not frontier or len(self.tree) >= self.max_pool:
+            newest = tree.level(level - 1)
+            frontier = sorted(newest, key=lambda v: -tree.path_probs[v])[: self.topk]
+            if not frontier or len(tree) >= self.max_pool:
                 return
-            self.process(frontier)
-            self._add_children([(v, *self._out[v]) for v in frontier])
-            yield self.tree
+            added = self._add_children(frontier)
+            if self.route_head is not None:
+                process = added
+            elif level < self.depth:  # only the nodes the next level expands
+                process = sorted(added, key=lambda v: -tree.path_probs[v])[: self.topk]
+            else:
+                process = []
+            self._process(process)
+            yield tree
+
+    def routes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Host bool routes of the pool nodes [N, L, E] and of the root [L, E], from the route head (every node of
+        the drafted levels; the root's come with level 1)."""
+        root = self._routes[-1]
+        nodes = [self._routes[v] for v in range(len(self.tree))]
+        return (np.stack(nodes) if nodes else np.zeros((0, *root.shape), dtype=bool)), root
 
     @torch.no_grad()
     def states(self, nodes) -> torch.Tensor:
         """[n, H] drafter states of pool nodes (processing, in one forward, those not yet processed)."""
-        self.process(nodes)
+        todo = [v for v in nodes if v not in self._out]
+        if todo:
+            self._forward(todo, self._token_ids(todo))
         return torch.stack([self._out[v][1] for v in nodes]) if nodes else self.root_state.new_zeros(0, 0)
 
-    def process(self, nodes) -> None:
-        """One drafter forward over the given nodes that have not been processed yet."""
-        todo = [v for v in nodes if v not in self._out]
-        if not todo:
-            return
+    def _process(self, nodes: list[int], ids: torch.Tensor | None = None, root=None) -> list[np.ndarray]:
+        """One drafter forward over ``nodes`` (tokens from ``ids`` [n] on the device, else from the tree), then one
+        transfer to the host of: the root's top-k (``root``: its (q, ids) [1, k] on the device, at level 1), the
+        nodes' top-k children, and with a route head their routes (the root's first, at level 1). Records children
+        and routes; returns the root's top-k on the host."""
+        pull: list[torch.Tensor] = list(root) if root is not None else []
+        root = root is not None
+        states = []
+        if nodes:
+            logits, states = self._forward(nodes, ids if ids is not None else self._token_ids(nodes))
+            pull += list(self._topk(logits))  # [n, k] each
+        head_in = ([self.root_state[None]] if root else []) + ([states] if len(nodes) else [])
+        if self.route_head is not None and head_in:
+            pull.append(self.route_head(torch.cat(head_in)))  # [(1 +) n, L, E]
+        host = to_host(*pull) if pull else []
+        root_part = host[:2] if root else []
+        rest = host[2:] if root else host
+        if nodes:
+            q, tokens = rest[0].tolist(), rest[1].tolist()
+            for v, qs, ts in zip(nodes, q, tokens):
+                self._children[v] = (qs, ts)
+        if self.route_head is not None and head_in:
+            routes = rest[-1]
+            keys = ([-1] if root else []) + list(nodes)
+            for key, r in zip(keys, routes):
+                self._routes[key] = r
+        return list(root_part)
+
+    def _forward(self, todo: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter forward over nodes whose ancestors are all processed; ``ids`` [n] their tokens on the device.
+        Returns (logits [n, Vd], states [n, H])."""
         tree = self.tree
         device = self.root_state.device
         base, n = len(self.cache), len(todo)
         for i, v in enumerate(todo):
             self._slot[v] = base + i
-        rows = []
-        for v in todo:  # ancestors are all processed: a node is drafted by processing its parent
-            row = [False] * (base + n - self.stable)
-            for a in ancestors_or_self(tree.parents, v):
-                row[self._slot[a] - self.stable] = True
-            rows.append(row)
+        rows = np.zeros((n, base + n - self.stable), dtype=np.int64)  # [n, tree part of the KV]
+        for i, v in enumerate(todo):  # ancestors are all processed: a node is drafted by processing its parent
+            rows[i, [self._slot[a] - self.stable for a in ancestors_or_self(tree.parents, v)]] = 1
+        positions = [self.stable + tree.depths[v] - 1 for v in todo]
+        rows_d, positions_d = self._stage().to_device(rows, positions)
         dtype = self.drafter.fc.weight.dtype
         mask = torch.full((n, base + n), torch.finfo(dtype).min, dtype=dtype, device=device)  # [n, base + n]
         mask[:, : self.stable] = 0
-        mask[:, self.stable:].masked_fill_(torch.tensor(rows, device=device), 0)
-        ids = torch.tensor([[tree.tokens[v] for v in todo]], device=device)  # [1, n]
+        mask[:, self.stable:].masked_fill_(rows_d.bool(), 0)
         hidden = torch.stack([self._drafted_by[v] for v in todo])[None]  # [1, n, H]
-        positions = torch.tensor([[self.stable + tree.depths[v] - 1 for v in todo]], device=device)  # [1, n]
-        logits, out = self.drafter(ids, hidden, positions, cache=self.cache, attention_mask=mask[None, None])
+        logits, out = self.drafter(ids.view(1, n), hidden, positions_d.view(1, n), cache=self.cache,
+                                   attention_mask=mask[None, None])
         for i, v in enumerate(todo):
             self._out[v] = (logits[0, i], out[0, i])
+        return logits[0], out[0]
 
-    def _add_children(self, expansions) -> None:
-        """Add the top-k children of each expanded node, best path probability first, within the node budget."""
+    def _token_ids(self, nodes: list[int]) -> torch.Tensor:
+        return self._stage().to_device([self.tree.tokens[v] for v in nodes])
+
+    def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, Vd] -> (draft probabilities [n, k], target token ids [n, k]) on the device."""
+        q, draft_ids = torch.softmax(logits.float(), -1).topk(self.topk)
+        return q, self.drafter.to_target_ids(draft_ids)
+
+    def _add_children(self, frontier: list[int]) -> list[int]:
+        """Add the top-k children of each expanded node, best path probability first, within the node budget;
+        returns the new nodes."""
         tree = self.tree
-        logits = torch.stack([lg for _, lg, _ in expansions])  # [n, Vd]: one softmax and top-k for the whole level
-        q, draft_ids = torch.softmax(logits.float(), -1).topk(self.topk)  # [n, k], [n, k]
-        probs, tokens = q.tolist(), self.drafter.to_target_ids(draft_ids).tolist()
         candidates = []
-        for (parent, _, state), qs, ts in zip(expansions, probs, tokens):
-            base = 1.0 if parent < 0 else tree.path_probs[parent]
-            candidates += [(base * p, parent, t, state) for p, t in zip(qs, ts)]
+        for parent in frontier:
+            qs, ts = self._children[parent]
+            base = tree.path_probs[parent]
+            candidates += [(base * p, parent, t) for p, t in zip(qs, ts)]
         candidates.sort(key=lambda c: -c[0])
-        for path_prob, parent, token, state in candidates[: self.max_pool - len(tree)]:
-            self._drafted_by[tree.add(parent, token, path_prob)] = state
+        added = []
+        for path_prob, parent, token in candidates[: self.max_pool - len(tree)]:
+            v = tree.add(parent, token, path_prob)
+            self._drafted_by[v] = self._out[parent][1]
+            added.append(v)
+        return added
+
+    def _stage(self) -> Staging:
+        if self._staging is None or self._staging.device != self.root_state.device:
+            self._staging = Staging(self.root_state.device)
+        return self._staging

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from ..transfer import Staging
 
 
 @dataclass
@@ -68,8 +71,9 @@ class VerifyLayout:
 
 
 def verify_layout(tree: DraftTree, nodes, root_token: int, base: int, kv_len: int, dtype: torch.dtype,
-                  device) -> VerifyLayout:
-    """``base``: committed positions already in the KV cache (the root goes to position ``base``)."""
+                  staging: Staging) -> VerifyLayout:
+    """``base``: committed positions already in the KV cache (the root goes to position ``base``). Tokens,
+    positions and the tree's ancestor matrix reach the device in one transfer that does not stop the host."""
     nodes = tuple(sorted(nodes))
     if len(set(nodes)) != len(nodes) or any(not 0 <= v < len(tree) for v in nodes):
         raise ValueError(f"selected nodes must be distinct pool indices in 0..{len(tree) - 1}, got {nodes}")
@@ -78,24 +82,37 @@ def verify_layout(tree: DraftTree, nodes, root_token: int, base: int, kv_len: in
     tree_index = {v: j + 1 for j, v in enumerate(nodes)}
     parents = (-1,) + tuple(0 if tree.parents[v] < 0 else tree_index[tree.parents[v]] for v in nodes)
     depths = [0] + [tree.depths[v] for v in nodes]
-    mask = tree_mask(parents, base, kv_len, dtype, device)[None, None] if nodes else None
-    tokens = torch.tensor([[root_token] + [tree.tokens[v] for v in nodes]], device=device)
-    positions = torch.tensor([[base + d for d in depths]], device=device)
-    return VerifyLayout(nodes, parents, tokens, positions, mask)
+    tokens = [[root_token] + [tree.tokens[v] for v in nodes]]
+    positions = [[base + d for d in depths]]
+    if not nodes:
+        tokens_d, positions_d = staging.to_device(tokens, positions)
+        return VerifyLayout(nodes, parents, tokens_d, positions_d, None)
+    tokens_d, positions_d, rows = staging.to_device(tokens, positions, ancestor_matrix(parents))
+    mask = tree_mask(rows, base, kv_len, dtype)[None, None]
+    return VerifyLayout(nodes, parents, tokens_d, positions_d, mask)
 
 
-def tree_mask(parents, base: int, kv_len: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """[n, kv_len] additive mask of ``n`` tree positions written at ``base``..: each attends to the ``base``
-    committed positions and to its ancestors-or-self (``parents``: index of each one's parent, -1 for a root).
-    The ancestor matrix is built in Python (n is small) and lands in one tensor: a few torch calls, whatever n."""
+def ancestor_matrix(parents) -> np.ndarray:
+    """[n, n] 1 where position j is an ancestor-or-self of position i (``parents``: each one's parent, -1 for a
+    root), built in Python: n is small.
+
+    >>> ancestor_matrix([-1, 0, 0, 1]).tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    """
     n = len(parents)
-    rows = []
+    rows = np.zeros((n, n), dtype=np.int64)
     for t in range(n):
-        row = [False] * n
         for a in ancestors_or_self(parents, t):
-            row[a] = True
-        rows.append(row)
-    mask = torch.full((n, kv_len), torch.finfo(dtype).min, dtype=dtype, device=device)
+            rows[t, a] = 1
+    return rows
+
+
+def tree_mask(ancestors: torch.Tensor, base: int, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, kv_len] additive mask of ``n`` tree positions written at ``base``..: each attends to the ``base``
+    committed positions and to its ancestors-or-self (``ancestors``: the [n, n] ``ancestor_matrix`` on the device):
+    a few torch calls, whatever n."""
+    n = ancestors.shape[0]
+    mask = torch.full((n, kv_len), torch.finfo(dtype).min, dtype=dtype, device=ancestors.device)
     mask[:, :base] = 0
-    mask[:, base:base + n].masked_fill_(torch.tensor(rows, device=device), 0)
+    mask[:, base:base + n].masked_fill_(ancestors.bool(), 0)
     return mask

@@ -42,13 +42,13 @@ def oracle_routes(cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray
     t0 = time.perf_counter()
     model, cache = cycle.model, cycle.cache
     n = len(tree) + 1
-    layout = verify_layout(tree, range(len(tree)), cycle.root, cycle.base, seam.kv_capacity(cache, n),
-                           seam.compute_dtype(model), model.specfit.device)
+    layout = verify_layout(tree, range(len(tree)), cycle.root, cycle.base,
+                           seam.kv_capacity(cache, n, cycle.base), seam.compute_dtype(model), model.specfit.staging)
     masks = seam.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
     with model.specfit.measurement() as recorder, torch.no_grad():
         model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=masks,
               use_cache=True, logits_to_keep=1)
-    seam.crop_kv(cache, cycle.base)
+    seam.crop_kv(cache, cycle.base, current=cycle.base + n)
     routes = recorder.last.numpy()  # [n, L, E]
     cycle.measurement_seconds += time.perf_counter() - t0
     return routes[1:], routes[0]
@@ -56,23 +56,21 @@ def oracle_routes(cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray
 
 class PredictedRoutes:
     """Routes of the root and the pool from the drafter's states, through a ``RoutePredictor`` (or the target's own
-    routers for ``"gate"``). Part of the timed path: it is what a deployment pays."""
+    routers for ``"gate"``). Part of the timed path: it is what a deployment pays. The head runs inside each drafted
+    level's step (``TreeDrafter.route_head``), so its routes reach the host in the level's one transfer."""
 
     def __init__(self, head):
         self.head = head
-        self._tree = None  # the pool being drafted this cycle, and the routes predicted for it so far
-        self._routes: np.ndarray | None = None  # [1 + nodes done, L, E], the root first
+
+    def attach(self, drafter) -> None:
+        """Have ``drafter`` (a ``TreeDrafter``) run the head on every node it drafts."""
+        drafter.route_head = self.head.routes
 
     def __call__(self, cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
         drafter = cycle.drafter
-        if tree is not self._tree:  # a new cycle: start from the root
-            self._tree = tree
-            self._routes = self.head.routes(drafter.root_state[None]).cpu().numpy()  # [1, L, E]
-        done = self._routes.shape[0] - 1
-        if len(tree) > done:  # only the nodes of the newest level: one head call, one transfer
-            states = drafter.states(list(range(done, len(tree))))  # [new, H]
-            self._routes = np.concatenate([self._routes, self.head.routes(states).cpu().numpy()])
-        return self._routes[1:], self._routes[0]
+        if drafter.route_head is None:
+            raise RuntimeError("PredictedRoutes.attach(drafter) must run before drafting")
+        return drafter.routes()
 
 
 def gate_routes(model) -> PredictedRoutes:
