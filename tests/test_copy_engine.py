@@ -22,7 +22,7 @@ from specfit.offload.runtime import SpecFitRuntime
 from specfit.offload.store import ExpertStore
 from specfit.stats import Counters
 
-COPY_MS = 1.0  # fake time one copy occupies its stream
+COPY_MS = 1.0  # fake time one copy occupies the link
 
 
 class Deadlock(AssertionError):
@@ -48,15 +48,33 @@ class FakeEvent:
 
     def synchronize(self):
         self.device.run(until=self.query)
+        self.device.now = max(self.device.now, self.marker.time if self.marker else 0.0)
 
     def elapsed_time(self, end):
         assert self.timing and end.timing and self.marker.done and end.marker.done
         return end.marker.time - self.marker.time
 
 
+class TimedQueue(list):
+    """A stream's queue that remembers the host's time when each operation was queued: work cannot start on the
+    device before the host issued it (the host's time moves on when it waits for an event)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device, self.issued = device, []
+
+    def append(self, op):
+        super().append(op)
+        self.issued.append(self.device.now)
+
+    def pop(self, i=-1):
+        self.issued.pop(i)
+        return super().pop(i)
+
+
 class FakeStream:
     def __init__(self, device, name):
-        self.device, self.name, self.queue, self.clock = device, name, [], 0.0
+        self.device, self.name, self.queue, self.clock = device, name, TimedQueue(device), 0.0
         self.tied: list[tuple[int, int]] = []  # (start, end) byte ranges of buffers tied to this stream
 
     def wait_event(self, event):
@@ -78,17 +96,20 @@ class FakeStream:
         return bool(self.queue) and (self.queue[0][0] != "wait" or self.queue[0][1].done)
 
     def step(self):
+        self.clock = max(self.clock, self.queue.issued[0])
         op = self.queue.pop(0)
         if op[0] == "wait":
             self.clock = max(self.clock, op[1].time)
         elif op[0] == "mark":
             op[1].done, op[1].time = True, self.clock
-        elif op[0] == "copy":
+        elif op[0] == "copy":  # one host-to-device link: copies of all streams take turns on it
             op[1].copy_(op[2])
-            self.clock += COPY_MS
+            self.clock = self.device.link_free = max(self.clock, self.device.link_free) + COPY_MS
             self.device.copies_done.append((self.name, op[3]))
+            self.device.history.append(("copy", op[1].data_ptr()))
         else:  # "call": compute, queued by a test
             op[1]()
+            self.device.history.append(("call", getattr(op[1], "__name__", "")))
 
 
 class FakeDevice:
@@ -102,6 +123,9 @@ class FakeDevice:
         self.stalled: set[str] = set()
         self.timing_events = self.plain_events = 0
         self.copies_done: list[tuple[str, str]] = []  # (stream, tag) in the order they ran
+        self.history: list[tuple[str, object]] = []  # ("copy", destination pointer) / ("call", name), in run order
+        self.now = 0.0  # the host's time: what the events it has waited for have shown it
+        self.link_free = 0.0  # when the link finishes the copy it is on
 
     # the CudaStreams interface
     def new_stream(self, priority):
@@ -161,6 +185,7 @@ class FakeDevice:
             ready = [s for s in self.streams if s.name not in self.stalled and s.runnable()]
             if not ready:
                 if until is None and not any(s.queue for s in self.streams if s.name not in self.stalled):
+                    self.now = max([self.now, self.link_free] + [s.clock for s in self.streams])  # time passed
                     return
                 raise Deadlock(f"nothing can run; queued: {[(s.name, len(s.queue)) for s in self.streams]}")
             self.rng.choice(ready).step()
@@ -222,6 +247,26 @@ def run_forward(cache: LayerCache, needed, counters, device: FakeDevice, log: li
     assert sorted(seen) == sorted(needed)
 
 
+def run_groups(cache: LayerCache, needed, counters, device: FakeDevice, log: list):
+    """Consume a layer's experts as the experts function does (``start``, then ``ready`` group by group), queueing
+    one checking read per expert of each group: of its slot, or of the streamed expert's scratch buffer."""
+    seen = []
+    fetch = cache.start(needed, counters)
+    for group in cache.ready(fetch):
+        bufs = [group.weights[0]] if group.weights is not None else [cache.slots[s] for s in group.slots]
+        for e, buf in zip(group.experts, bufs):
+            seen.append(e)
+
+            def read(e=e, buf=buf, layer=cache.layer):
+                log.append((layer, e, expert_of(buf, layer)))
+
+            device.compute_call(read)
+    assert sorted(seen) == sorted(needed)
+
+
+CONSUMERS = {"fetch": run_forward, "groups": run_groups}
+
+
 def caches(device, slots, store=None):
     store = store or make_store(device)
     engine = CopyEngine(torch.device("cpu"), streams=device)
@@ -277,10 +322,12 @@ def test_a_demand_copy_into_a_slot_being_prefetched_lands_after_it(seed):
     assert sorted(expert_of(cache.slots[s], 0) for s in range(2)) == [4, 5]  # no late prefetch overwrote them
 
 
+@pytest.mark.parametrize("consumer", sorted(CONSUMERS))
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workloads_every_read_sees_its_expert(seed):
+def test_random_workloads_every_read_sees_its_expert(seed, consumer):
     """Forwards, prefetches and clears at random, with the fake device run part way at random points: every read
-    (hits, loads, prefetched hits, streamed experts) sees exactly the expert it asked for."""
+    (hits, loads, prefetched hits, streamed experts) sees exactly the expert it asked for, whether the forward
+    consumes the layer expert by expert (``fetch``) or group by group as the experts function does (``groups``)."""
     rng = random.Random(1000 + seed)
     device = FakeDevice(seed)
     store, engine, layers = caches(device, slots=rng.choice([1, 2, 3, 5]))
@@ -290,7 +337,7 @@ def test_random_workloads_every_read_sees_its_expert(seed):
         layer = rng.randrange(LAYERS)
         if action < 0.6:
             needed = rng.sample(range(E), rng.randint(1, 7))
-            run_forward(layers[layer], needed, Counters(), device, log)
+            CONSUMERS[consumer](layers[layer], needed, Counters(), device, log)
             reads += len(needed)
         elif action < 0.9:
             layers[layer].prefetch(rng.sample(range(E), rng.randint(1, layers[layer].num_slots)), Counters())
@@ -316,6 +363,152 @@ def test_mutation_dropping_the_write_after_write_wait_is_caught():
         device.run()
         caught += sorted(expert_of(cache.slots[s], 0) for s in range(2)) != [4, 5]
     assert caught > 0
+
+
+class _NoWait(dict):
+    """The mutation of a hit not waiting for its prefetch: the pending ticket is never handed out."""
+
+    def pop(self, key, default=None):
+        return None
+
+
+def test_mutation_hits_not_waiting_for_their_prefetch_is_caught():
+    """Mutant (issue 24, 4): in the groups path, hits do not wait for a prefetch still in flight. Some schedule then
+    reads a slot before its prefetched expert has landed."""
+    caught = 0
+    for seed in range(20):
+        device = FakeDevice(seed)
+        store, engine, layers = caches(device, slots=2)
+        cache = layers[0]
+        cache.prefetch([3, 4], Counters())
+        log = []
+        cache._pending = _NoWait(cache._pending)
+        run_groups(cache, [3, 4], Counters(), device, log)  # both are hits of the prefetch
+        try:
+            device.run()
+        except AssertionError:  # a read found a slot not yet written (a mix of old bytes)
+            caught += 1
+            for stream in device.streams:  # drop what is left, so the arenas' finalizer has nothing to wait for
+                del stream.queue[:]
+                stream.queue.issued.clear()
+            continue
+        caught += any(want != got for _, want, got in log)
+    assert caught > 0
+
+
+def test_hits_wait_for_their_prefetch_in_the_groups_path():
+    for seed in range(20):
+        device = FakeDevice(seed)
+        store, engine, layers = caches(device, slots=2)
+        cache = layers[0]
+        cache.prefetch([3, 4], Counters())
+        log = []
+        run_groups(cache, [3, 4], Counters(), device, log)
+        device.run()
+        assert sorted(log) == [(0, 3, 3), (0, 4, 4)]
+
+
+def scratch_copies_before_compute(seed, drop_first_use_wait=False) -> bool:
+    """Whether a copy into the scratch ring ran before compute queued ahead of the ring's first use (that compute
+    may still read the memory the ring was just given). The forward has no load, so no slot overwrite orders the
+    copies after compute: only the ring's own first-use wait does."""
+    device = FakeDevice(seed)
+    store, engine, layers = caches(device, slots=1)
+    cache = layers[0]
+    run_groups(cache, [1], Counters(), device, [])  # expert 1 resident
+    device.run()
+
+    def earlier_compute():
+        pass
+
+    device.compute_call(earlier_compute)
+    if drop_first_use_wait:  # the mutation: the fresh ring waits for nothing
+        original = engine.mark_compute
+        engine.mark_compute = lambda: None
+        cache._scratch_buffer(0)
+        engine.mark_compute = original
+    run_groups(cache, [1, 2, 3, 4], Counters(), device, [])  # 1 hit, 3 streamed through the ring
+    device.run()
+    base = cache._scratch.data_ptr()
+    span = cache._scratch.numel() * cache._scratch.element_size()
+    first_compute = device.history.index(("call", "earlier_compute"))
+    scratch = [i for i, (kind, ptr) in enumerate(device.history) if kind == "copy" and base <= ptr < base + span]
+    return len(scratch) == 3 and scratch[0] < first_compute
+
+
+def test_the_scratch_ring_first_use_waits_for_compute_queued_before_it():
+    assert not any(scratch_copies_before_compute(seed) for seed in range(20))
+    assert any(scratch_copies_before_compute(seed, drop_first_use_wait=True) for seed in range(20))
+
+
+def test_a_load_over_a_slot_still_being_prefetched_does_not_hold_back_the_others():
+    """Slot 0 is being prefetched (stalled); a forward loads one expert into free slot 1 and one over slot 0: the
+    first lands and is computed on with the prefetch stream still stalled; the second lands after the prefetch."""
+    device = FakeDevice()
+    store, engine, layers = caches(device, slots=2)
+    cache = layers[0]
+    cache.prefetch([0], Counters())
+    device.stalled.add("prefetch")
+    fetch = cache.start([5, 6], Counters())  # 5 -> free slot 1; 6 evicts the prefetched 0 from slot 0
+    assert dict(fetch.plan.loads) == {5: 1, 6: 0}
+    device.run(until=lambda: len(device.copies_done) == 1)  # raises Deadlock if the clean load waits too
+    assert device.copies_done == [("demand", "")] and expert_of(cache.slots[1], 0) == 5
+    device.stalled.clear()
+    log = []
+    for group in cache.ready(fetch):
+        for e, s in zip(group.experts, group.slots):
+            device.compute_call(lambda e=e, s=s: log.append((e, expert_of(cache.slots[s], 0))))
+    device.run()
+    assert sorted(log) == [(5, 5), (6, 6)]
+
+
+# --- failures -----------------------------------------------------------------------------------------------------
+class Interrupt(BaseException):
+    pass
+
+
+def failing_copies(engine, after: int):
+    """Make the engine's copies raise once ``after`` of them have run (as an interrupt mid-batch would)."""
+    original, done = engine.copy_batch, [0]
+
+    def copy_batch(pairs, counters, **kw):
+        for i, pair in enumerate(pairs):
+            if done[0] >= after:
+                raise Interrupt()
+            original([pair], counters, **kw)
+            done[0] += 1
+        return [None] * len(pairs)
+
+    engine.copy_batch = copy_batch
+    return original
+
+
+@pytest.mark.parametrize("after", range(4))
+def test_no_slot_stays_marked_with_an_expert_its_copy_did_not_bring(after):
+    store = make_store(layers=1)
+    engine = CopyEngine(torch.device("cpu"))
+    cache = LayerCache(store, 0, 3, engine)
+    original = failing_copies(engine, after)
+    with pytest.raises(Interrupt):
+        list(cache.fetch([4, 5, 6, 7], Counters()))  # 3 loads, 1 streamed
+    engine.copy_batch = original
+    for expert, slot in cache.lru.resident.items():
+        assert expert_of(cache.slots[slot], 0) == expert, f"slot {slot} marked as expert {expert}"
+    got = {e: expert_of(w, 0) for e, w in cache.fetch([4, 5, 6], Counters())}
+    assert got == {4: 4, 5: 5, 6: 6}
+
+
+def test_a_failed_prefetch_leaves_no_slot_marked_wrongly():
+    store = make_store(layers=1)
+    engine = CopyEngine(torch.device("cpu"))
+    cache = LayerCache(store, 0, 3, engine)
+    original = failing_copies(engine, 1)
+    with pytest.raises(Interrupt):
+        cache.prefetch([7, 8, 9], Counters())
+    engine.copy_batch = original
+    for expert, slot in cache.lru.resident.items():
+        assert expert_of(cache.slots[slot], 0) == expert
+    assert {e: expert_of(w, 0) for e, w in cache.fetch([7, 8, 9], Counters())} == {7: 7, 8: 8, 9: 9}
 
 
 # --- teardown -----------------------------------------------------------------------------------------------------
@@ -396,6 +589,7 @@ def test_copy_time_is_counted_where_the_copies_were_issued():
         assert c.bytes_copied == c.misses * expert_bytes
         if i == 0:
             rt.prefetch(np.eye(LAYERS, E, k=8, dtype=bool))  # expert 8 of each layer; no forward uses them
+            device.run()  # they land while the host drafts: no demand copy shares the link with them
     scope.end(new_tokens=2)
     g = rt.stats.last_generate
     assert g.prefetch_copies == LAYERS and g.misses == (0 + 1) * LAYERS
@@ -406,17 +600,37 @@ def test_copy_time_is_counted_where_the_copies_were_issued():
     assert not engine_pending(rt.engine)
 
 
+def test_overlapping_demand_and_prefetch_copies_count_the_link_time_once():
+    """Demand and prefetch copies in flight together share the one link: summing both batches' spans would count
+    the shared time twice (copy time above the wall time, bandwidth below the link's). The total is the union."""
+    device = FakeDevice(3)
+    store = make_store(device)
+    rt = SpecFitRuntime(store, OffloadConfig(cache_slots=4), "cpu", engine=CopyEngine("cpu", streams=device))
+    rt.prefetch(np.eye(LAYERS, E, k=8, dtype=bool) | np.eye(LAYERS, E, k=9, dtype=bool))  # 2 per layer, in flight
+    rt.begin_forward()
+    for layer in rt.layers:
+        run_forward(layer.cache, [0, 1], rt.forward_counters, device, [])  # 2 misses per layer
+    rt.end_forward()
+    rt.engine.drain()
+    t = rt.stats.total
+    assert t.copies == 4 * LAYERS
+    assert t.copy_busy_seconds == pytest.approx(4 * LAYERS * COPY_MS / 1e3)  # the link was busy this long, once
+    assert t.copy_bandwidth == pytest.approx(store.expert_bytes / (COPY_MS / 1e3))
+
+
 def engine_pending(engine):
     return engine._timings
 
 
 def test_one_timing_event_pair_per_batch_of_copies():
+    """One event pair per batch and no event per copy: compute waits for the batch's end (one wait_event)."""
     device = FakeDevice()
     store, engine, layers = caches(device, slots=6)
+    epoch = device.timing_events  # the engine's one clock origin
     run_forward(layers[0], [0, 1, 2, 3, 4], Counters(), device, [])  # 5 loads: one batch
-    assert device.timing_events == 2 and device.plain_events == 4  # a ready event per copy but the last
+    assert epoch == 1 and device.timing_events == epoch + 2 and device.plain_events == 0
     layers[1].prefetch([0, 1, 2], Counters())
-    assert device.timing_events == 4
+    assert device.timing_events == epoch + 4
 
 
 def test_decode_clock_starts_after_the_prefill_has_run():

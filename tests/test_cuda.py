@@ -350,22 +350,58 @@ def random_drafter(seed=0) -> Eagle3Drafter:
     return Eagle3Drafter(Eagle3Config.from_target(tiny_moe_config(), draft_vocab_size=128))
 
 
+@pytest.mark.parametrize("walk", ["one transfer", "processors"])
 @pytest.mark.parametrize("assistant", ["eagle3", "specfit"])
-def test_greedy_tree_decoding_equals_plain_generate(assistant):
+def test_greedy_tree_decoding_equals_plain_generate(assistant, walk):
+    """Both greedy acceptance paths: raw logits (no eos, no processor: every position's argmax in one transfer) and
+    with a logits processor (``min_new_tokens``: the walk scores node by node)."""
     reference = cuda_model()
     model = specfit.enable(cuda_model(), cache_slots=4, drafter=random_drafter(), cost_model=FREE_NODES)
+    kw = dict(max_new_tokens=20, do_sample=False)
+    if walk == "processors":
+        kw["min_new_tokens"] = 20
+    else:
+        reference.generation_config.eos_token_id = model.generation_config.eos_token_id = None
     assert next(model.specfit.drafter.parameters()).is_cuda
     prompts = [clear_prompt(n, 20).cuda() for n in (5, 21)]
     shapes = [dict(topk=2, depth=5, pool_nodes=18, max_nodes=7), dict(topk=3, depth=3, pool_nodes=12, max_nodes=5)]
     for prompt, shape in itertools.product(prompts, shapes):
         configure(model, **shape)
-        expected = reference.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False)
-        out = model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, assistant=assistant)
+        expected = reference.generate(prompt, **kw)
+        out = model.generate(prompt, assistant=assistant, **kw)
         assert torch.equal(out, expected), f"prompt of {prompt.shape[1]}, tree {shape}"
         g = model.specfit.stats.last_generate
         assert g.new_tokens == 20 and g.cycles > 0 and 0 < g.nodes_per_cycle <= shape["max_nodes"]
-    assert torch.equal(model.generate(prompts[0], max_new_tokens=20, min_new_tokens=20, do_sample=False),
-                       reference.generate(prompts[0], max_new_tokens=20, min_new_tokens=20, do_sample=False))
+    assert torch.equal(model.generate(prompts[0], **kw), reference.generate(prompts[0], **kw))
+
+
+def test_bf16_experts_run_grouped_over_the_slots_and_match_the_gathered_path():
+    """In bf16 on CUDA the experts run as grouped matmuls over all slots (no per-layer copy of gathered weights);
+    one layer's experts forward gives what the gathered path gives (bf16 rounding), hits, loads and streamed alike."""
+    model = specfit.enable(tiny_moe().to(torch.bfloat16).cuda(), cache_slots=3)
+    rt = model.specfit
+    assert rt.grouped_experts, "grouped_mm over the slot view was refused on this GPU"
+    layer = rt.layers[0]
+    experts = seam_moe_experts(model)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(24, 64, generator=g, device="cuda").to(torch.bfloat16)
+    index = torch.stack([torch.randperm(E, generator=g, device="cuda")[:K] for _ in range(24)])  # [24, K]
+    weights = torch.softmax(torch.randn(24, K, generator=g, device="cuda"), -1).to(torch.bfloat16)
+    outs = []
+    for grouped in (True, False):
+        rt.grouped_experts = grouped
+        rt.clear_cache()
+        rt.begin_forward()
+        outs.append(layer.forward(experts, hidden, index, weights).float())
+        rt.end_forward()
+        assert rt.stats.last_forward.streamed > 0
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+
+
+def seam_moe_experts(model):
+    from specfit import seam
+
+    return seam.moe_layers(model)[0].experts
 
 
 # --- the loader ---------------------------------------------------------------------------------------------------
