@@ -3,20 +3,26 @@ autoregressive ``generate`` (AR), ``assistant="eagle3"`` and ``assistant="specfi
 
     python benchmarks/decode_check.py --model CKPT --drafter DRAFTER --slots 48 --profile PROFILE.json --json out.json
 
-Synthetic checkpoints have no tokenizer, hence random token ids; eos is suppressed (``min_new_tokens``) so every run
-decodes the same number of tokens. SpecFit's selector takes draft-node routes from the route oracle (the default
-route source; its extra forward is a measurement device, excluded from the timed decode) and its cycle-time model from
-``--profile`` (a ``specfit calibrate`` profile); without one SpecFit warns and uses its default cost model.
+Synthetic checkpoints have no tokenizer, hence random token ids; the model's eos is switched off (no logits
+processor, unlike ``min_new_tokens``) so every run decodes the same number of tokens and greedy acceptance takes its
+one-transfer path, as in a user's greedy call. SpecFit's selector takes draft-node routes from the route source
+``route_source="auto"`` resolves to on this model (the row is labelled with it: a drafter as wide as the target and
+no trained predictor means the target's own gates, ``gate``) and its cycle-time model from ``--profile`` (a
+``specfit calibrate`` profile); without one SpecFit warns and uses its default cost model. tok/s is wall clock of
+the decode phase, everything it did included.
 
 Each mode starts from empty expert slots, as on a freshly loaded model (nothing resident is inherited from the mode
-before it), then runs one warm-up prompt and the timed prompts. The settings and each mode's row are printed (and
-``--json`` rewritten) as soon as they are known, so a run cut short still leaves figures.
+before it), then runs one warm-up prompt and the timed prompts, then one more prompt with host syncs counted: on
+CUDA by ``torch.cuda.set_sync_debug_mode("warn")`` (what the driver calls), elsewhere by SpecFit's would-be-sync
+counter (``specfit.evaluation.syncs``). The settings and each mode's row are printed (and ``--json`` rewritten) as
+soon as they are known, so a run cut short still leaves figures.
 
 Columns: tok/s over the decode phase (prefill excluded), host-to-device expert copies per output token, slot-cache hit
 rate, bandwidth of the copies (bytes over copy-path time), draft nodes verified per cycle, tokens committed per cycle
-(accepted + bonus), mean cycle time, and how many prompts gave the same tokens as AR (with random bf16 weights the
-logits are nearly flat, so a near-tie broken differently by a batched kernel can change a token; in fp32 greedy output
-must match). ``--require-pinned`` fails the run (exit 1) if any copy came from pageable host memory.
+(accepted + bonus), mean cycle time, host syncs per cycle of the counted prompt, and how many prompts gave the same
+tokens as AR (with random bf16 weights the logits are nearly flat, so a near-tie broken differently by a batched
+kernel can change a token; in fp32 greedy output must match). ``--require-pinned`` fails the run (exit 1) if any copy
+came from pageable host memory.
 """
 
 from __future__ import annotations
@@ -48,8 +54,7 @@ def load(args):
 
 
 def generate(model, mode: str, prompt: torch.Tensor, new_tokens: int):
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None,
-              top_k=None)
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None)
     if mode != "ar":
         kw["assistant"] = mode
     out = model.generate(prompt, **kw)
@@ -73,6 +78,7 @@ def run(args, emit=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, load_s = load(args)
+    model.generation_config.eos_token_id = None  # fixed-length decodes without a logits processor
     rt = model.specfit
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(args.seed)
@@ -95,14 +101,50 @@ def run(args, emit=None) -> dict:
                 tokens, c = generate(model, mode, prompt, args.new_tokens)
                 outputs[mode].append(tokens)
                 total += c
-        caught += [f"{mode}: {x.category.__name__}: {x.message}" for x in w]
+        caught += [f"{mode}: {x.category.__name__}: {x.message}" for x in w if "synchroniz" not in str(x.message)]
+        syncs, counted = count_syncs(model, mode, prompts[0], args.new_tokens)
         same = sum(a == b for a, b in zip(outputs[mode], outputs.get("ar", outputs[mode])))
         results[mode] = dict(total.as_dict(), same_as_ar=same if "ar" in outputs else None,
-                             warmup_prefill_hits=cold_hits)
+                             warmup_prefill_hits=cold_hits, route_source=route_source(model, mode),
+                             syncs=syncs, syncs_per_cycle=syncs / max(1, counted.cycles),
+                             syncs_per_token=syncs / max(1, counted.new_tokens), sync_counter=sync_counter(rt))
         report["info"] = _info(args, rt, load_s, caught)
         if emit is not None:
             emit(report)
     return report
+
+
+def sync_counter(rt) -> str:
+    return "cuda sync debug mode" if rt.device.type == "cuda" else "would-be syncs (CPU count)"
+
+
+def count_syncs(model, mode: str, prompt: torch.Tensor, new_tokens: int):
+    """(host syncs, the call's counters) of one more decode of ``prompt``: on CUDA the warnings of
+    ``set_sync_debug_mode("warn")``, else SpecFit's would-be-sync counter."""
+    if model.specfit.device.type != "cuda":
+        from specfit.evaluation.syncs import WouldBeSyncs
+
+        with WouldBeSyncs() as syncs:
+            _, c = generate(model, mode, prompt, new_tokens)
+        return syncs.total, c
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _, c = generate(model, mode, prompt, new_tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(x.message) for x in caught), c
+
+
+def route_source(model, mode: str) -> str | None:
+    """The route source SpecFit's selector ran with ("auto" resolved), None for the other modes."""
+    if mode != "specfit":
+        return None
+    from specfit.selection.route_sources import choose_route_source
+
+    return choose_route_source(model, model.specfit.options.route_source)
 
 
 def _info(args, rt, load_s: float, caught: list[str]) -> dict:
@@ -123,7 +165,12 @@ def _device_label(rt) -> str:
     return "CPU"
 
 
-NAMES = {"ar": "AR", "eagle3": "EAGLE-3", "specfit": "SpecFit (oracle routes)"}
+NAMES = {"ar": "AR", "eagle3": "EAGLE-3", "specfit": "SpecFit"}
+
+
+def mode_name(mode: str, result: dict) -> str:
+    source = result.get("route_source")
+    return NAMES.get(mode, mode) + (f" ({source} routes)" if source else "")
 
 
 def header_lines(report: dict) -> list[str]:
@@ -137,17 +184,17 @@ def header_lines(report: dict) -> list[str]:
         lines.append(f"cost model: beta {c['beta'] * 1e3:.4f} ms/expert, intercepts {c['intercepts'][0] * 1e3:.2f}.."
                      f"{c['intercepts'][-1] * 1e3:.2f} ms ({c['source']})")
     lines.append("| mode | tok/s | copies / token | hit rate | copy GB/s | nodes / cycle | tokens / cycle | cycle ms "
-                 "| = AR |")
-    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+                 "| syncs / cycle | = AR |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     return lines
 
 
 def row_line(report: dict, mode: str) -> str:
     i, r = report["info"], report["results"][mode]
     same = "-" if r["same_as_ar"] is None or mode == "ar" else f"{r['same_as_ar']}/{i['prompts']}"
-    return (f"| {NAMES.get(mode, mode)} | {r['tokens_per_second']:.2f} | {r['copies_per_token']:.1f} | "
+    return (f"| {mode_name(mode, r)} | {r['tokens_per_second']:.2f} | {r['copies_per_token']:.1f} | "
             f"{r['hit_rate']:.2f} | {r['copy_bandwidth'] / 1e9:.1f} | {r['nodes_per_cycle']:.2f} | "
-            f"{r['tokens_per_cycle']:.2f} | {r['seconds_per_cycle'] * 1e3:.1f} | {same} |")
+            f"{r['tokens_per_cycle']:.2f} | {r['seconds_per_cycle'] * 1e3:.1f} | {r['syncs_per_cycle']:.1f} | {same} |")
 
 
 def print_table(report: dict) -> None:

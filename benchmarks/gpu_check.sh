@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# SpecFit's prepared GPU check: one script, <= 8 minutes on an H200, one summary, one log file.
+# SpecFit's prepared GPU check, in two parts that each fit 5 minutes of device time (a lent device's 15 minutes, start-up
+# included, leave room to rerun either): one summary per part, one log file per part.
 #
-# usage: bash benchmarks/gpu_check.sh [--dry-run] [--stages LIST] [OUT_DIR]
+# usage: bash benchmarks/gpu_check.sh [--dry-run] [--part 1|2] [--stages LIST] [OUT_DIR]
 #
-#   OUT_DIR     where the log (gpu_check.log, everything printed) and the JSON results go; default: $OUT
-#   --stages    comma-separated subset of: env,pytest,bandwidth,checkpoint,calibrate,decode (default: all;
-#               env always runs; calibrate and decode need checkpoint)
-#   --dry-run   print the settings and the plan, run nothing
+#   OUT_DIR     where the log (gpu_check-part1.log / -part2.log, everything printed) and the JSON results go;
+#               default: $OUT
+#   --part      1: env, pytest, bandwidth; 2: env, checkpoint, calibrate, decode (default: both, one after the other,
+#               as one run: for CPU plumbing only, it does not fit a device call)
+#   --stages    comma-separated subset of: env,pytest,bandwidth,checkpoint,calibrate,decode (env always runs;
+#               calibrate and decode need checkpoint)
+#   --dry-run   print the settings and the plan with each part's time estimate (the sum of its stage limits plus the
+#               reserve); exits 1 if a part's estimate is over PART_LIMIT seconds; runs nothing
 #   -h, --help  this text
 #
-# Stages, each under its own time limit (and all under TOTAL_BUDGET):
+# Stages, each under its own time limit (and all under the part's budget):
 #   env         package path without network: carried wheels from .whl/ (bash benchmarks/gpu_wheels.sh, run
 #               beforehand where PyPI is reachable) + specfit; versions (transformers >= 5.24), nvidia-smi. If it
 #               fails, only the bandwidth stage (torch alone) still runs
@@ -18,32 +23,37 @@
 #               (cudaHostRegister; by hand if specfit does not import), from torch.empty(pin_memory=True), and from
 #               pageable memory. Every row is measured, then the stage FAILS unless both pinned rows are page-locked,
 #               reach MIN_H2D_GBPS and hand the host back before the copy lands (issue < half the copy time)
-#   checkpoint  a synthetic checkpoint with the real Qwen3-30B-A3B per-layer shapes but LAYERS of its 48 layers
-#               (the machine's 64 GiB disk cannot hold the full 61 GB one), random weights, + a random EAGLE-3
-#               drafter; written under WORK on local disk and deleted at the end (KEEP=1 keeps it)
+#   checkpoint  a synthetic checkpoint with the real Qwen3-30B-A3B per-layer shapes but LAYERS of its 48 layers,
+#               random weights, + a random EAGLE-3 drafter; written under WORK on local disk and deleted at the end
+#               (KEEP=1 keeps it)
 #   calibrate   specfit calibrate with SLOTS slots, cache modes cached and cleared: beta per expert (the paper,
 #               A100 over PCIe 4.0: 0.211 ms cached, 0.408 ms cleared)
-#   decode      benchmarks/decode_check.py: AR, EAGLE-3 and SpecFit (oracle routes, the cached profile), each from
-#               empty slots; --require-pinned: FAILS if any expert copy came from pageable memory
+#   decode      benchmarks/decode_check.py: AR, EAGLE-3 and SpecFit (the route source "auto" resolves to, named in
+#               the row; the cached profile), each from empty slots, tok/s wall clock, and one more decode per mode
+#               under torch.cuda.set_sync_debug_mode("warn"): host syncs per cycle; --require-pinned: FAILS if any
+#               expert copy came from pageable memory
 # Stages print figures as soon as they have them (decode: a row per mode; RESULT lines), so a run cut short by its
 # time limit still yields numbers.
 #
-# Environment: LAYERS (12), SLOTS (48), WORK (/tmp/specfit-gpu-check), TOTAL_BUDGET seconds (470), PYTHON (python3),
-# KEEP (0), CAL_ARGS (extra calibrate arguments: "--max-new-tokens 48", enough for the 40 probes from one prompt),
-# DECODE_PROMPTS (2), DECODE_TOKENS (24), MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over
-# PCIe 4.0 reached 23.1 GB/s). To exercise the plumbing on a CPU machine (one thread: several threads on
-# a busy 2-core machine made tiny decodes ~70x slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12
-# DECODE_PROMPTS=1 DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --stages env,checkpoint,calibrate,decode DIR
+# Environment: LAYERS (8), SLOTS (48), WORK (/tmp/specfit-gpu-check), PART_LIMIT seconds (300: one part's device
+# time), PYTHON (python3), KEEP (0), CAL_ARGS (extra calibrate arguments: "--max-new-tokens 40"), DECODE_PROMPTS (2),
+# DECODE_TOKENS (24), MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over PCIe 4.0 reached
+# 23.1 GB/s). To exercise the plumbing on a CPU machine (one thread: several threads on a busy 2-core machine made
+# tiny decodes ~70x slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12 DECODE_PROMPTS=1
+# DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --part 2 DIR
 set -uo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ALL_STAGES="env pytest bandwidth checkpoint calibrate decode"
-OUTDIR="" DRY=0 STAGES="${ALL_STAGES// /,}"
+PART1="env pytest bandwidth" PART2="env checkpoint calibrate decode"
+OUTDIR="" DRY=0 STAGES="${ALL_STAGES// /,}" PART=""
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
         --dry-run) DRY=1; shift ;;
+        --part) [ $# -ge 2 ] || { echo "gpu_check.sh: --part needs 1 or 2" >&2; exit 2; }; PART="$2"; shift 2 ;;
+        --part=*) PART="${1#*=}"; shift ;;
         --stages) [ $# -ge 2 ] || { echo "gpu_check.sh: --stages needs a value" >&2; exit 2; }; STAGES="$2"; shift 2 ;;
         --stages=*) STAGES="${1#*=}"; shift ;;
         --) shift; [ $# -gt 0 ] && { OUTDIR="$1"; shift; } ;;
@@ -58,30 +68,46 @@ OUTDIR="${OUTDIR:-${OUT:-}}"
 for s in ${STAGES//,/ }; do
     [[ " $ALL_STAGES " == *" $s "* ]] || { echo "gpu_check.sh: unknown stage '$s' (stages: $ALL_STAGES)" >&2; exit 2; }
 done
+case "$PART" in
+    "") PARTS="$PART1 ${PART2#env }" ;;
+    1) PARTS="$PART1" ;;
+    2) PARTS="$PART2" ;;
+    *) echo "gpu_check.sh: --part must be 1 or 2, got '$PART'" >&2; exit 2 ;;
+esac
 mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd) || { echo "gpu_check.sh: cannot create $OUTDIR" >&2; exit 2; }
 cd "$(dirname "$0")/.." || exit 2
-LOG="$OUTDIR/gpu_check.log"
+LOG="$OUTDIR/gpu_check${PART:+-part$PART}.log"
 
 PRESET=${PRESET:-qwen3-30b-a3b}
-LAYERS=${LAYERS:-12}
+LAYERS=${LAYERS:-8}
 SLOTS=${SLOTS:-48}
 WORK=${WORK:-/tmp/specfit-gpu-check}
-TOTAL_BUDGET=${TOTAL_BUDGET:-470}
+PART_LIMIT=${PART_LIMIT:-300}
 PY=${PYTHON:-python3}
 KEEP=${KEEP:-0}
-CAL_ARGS=${CAL_ARGS---max-new-tokens 48}
+CAL_ARGS=${CAL_ARGS---max-new-tokens 40}
 DECODE_PROMPTS=${DECODE_PROMPTS:-2}
 DECODE_TOKENS=${DECODE_TOKENS:-24}
 export MIN_H2D_GBPS=${MIN_H2D_GBPS:-20}
 SITE="$WORK/site"
-declare -A BUDGET=([env]=45 [pytest]=80 [bandwidth]=30 [checkpoint]=90 [calibrate]=70 [decode]=85)
+# seconds per stage; calibrate runs twice (cached, cleared). Part 1: 40 + 120 + 30; part 2: 40 + 60 + 2 x 55 + 70
+declare -A BUDGET=([env]=40 [pytest]=120 [bandwidth]=30 [checkpoint]=60 [calibrate]=55 [decode]=70)
 RESERVE=10  # seconds kept for cleanup and the summary
+
+estimate() {  # stages... -> seconds: their limits (calibrate twice) plus the reserve
+    local total=$RESERVE s
+    for s in "$@"; do
+        total=$((total + BUDGET[$s] * ($([ "$s" = calibrate ] && echo 2 || echo 1))))
+    done
+    echo "$total"
+}
+TOTAL_BUDGET=${TOTAL_BUDGET:-$(estimate $PARTS)}
 NAMES=() RESULTS=() SECONDS_USED=()
 
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 export SPECFIT_CACHE="$WORK/specfit-cache"  # profiles go to OUT_DIR explicitly; keep the user cache clean
 
-wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
+wanted() { [[ ",$STAGES," == *",$1,"* ]] && [[ " $PARTS " == *" $1 "* ]]; }
 
 record() {  # name status seconds
     NAMES+=("$1") RESULTS+=("$2") SECONDS_USED+=("$3")
@@ -245,6 +271,31 @@ for kind in ("registered", "pin_memory", "pageable"):
         if i1 >= 0.5 * e1:
             failures.append(f"{kind}: the host took {i1:.3f} ms to issue a {e1:.3f} ms copy: not asynchronous")
     del src
+try:  # head of line: does a demand copy wait behind prefetch DMAs queued on another stream? (a figure, not a gate)
+    src = torch.empty(N, E_BYTES // 2, dtype=torch.bfloat16, pin_memory=True).fill_(1.0)
+    big = torch.empty(30, E_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    demand = torch.cuda.Stream(priority=-1)
+    alone, behind = [], []
+    for r in range(6):
+        for queued in (0, 30):
+            torch.cuda.synchronize()
+            with torch.cuda.stream(stream):
+                for j in range(queued):
+                    big[j].copy_(src[j], non_blocking=True)
+            t0 = time.perf_counter()
+            with torch.cuda.stream(demand):
+                dst[0].copy_(src[40], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            done.synchronize()
+            (behind if queued else alone).append((time.perf_counter() - t0) * 1e3)
+    a, b = statistics.median(alone), statistics.median(behind)
+    print(f"RESULT h2d head-of-line: one demand copy {a:.3f} ms alone, {b:.3f} ms with 30 prefetch copies queued on "
+          f"another stream ({b / a:.1f}x; 30 copies take ~{30 * a:.1f} ms: near 1x means the demand copy does not "
+          f"queue behind them)", flush=True)
+    del big, src
+except Exception as e:
+    print(f"RESULT h2d head-of-line: not measured ({type(e).__name__}: {e})")
 for store in keep:
     store.release()
 print("for scale: the paper's cleared-cache beta, 0.408 ms per expert on an A100 over PCIe 4.0, is 23.1 GB/s")
@@ -304,9 +355,11 @@ names = {"ar": "AR", "eagle3": "EAGLE-3", "specfit": "SpecFit"}
 for mode, x in json.load(open(sys.argv[1]))["results"].items():
     tps, cpt, npc = x["tokens_per_second"], x["copies_per_token"], x["nodes_per_cycle"]
     tpc, ms, gbps = x["tokens_per_cycle"], x["seconds_per_cycle"] * 1e3, x.get("copy_bandwidth", 0) / 1e9
-    print(f"RESULT decode {names.get(mode, mode)}: {tps:.2f} tok/s, {cpt:.1f} copies/token, {npc:.2f} nodes/cycle, "
+    name = names.get(mode, mode) + (f" ({x['route_source']} routes)" if x.get("route_source") else "")
+    print(f"RESULT decode {name}: {tps:.2f} tok/s (wall clock), {cpt:.1f} copies/token, {npc:.2f} nodes/cycle, "
           f"{tpc:.2f} tokens/cycle, {ms:.1f} ms/cycle, copies at {gbps:.1f} GB/s, "
-          f"{x.get('pageable_copies', '?')} pageable copies")
+          f"{x.get('pageable_copies', '?')} pageable copies, {x.get('syncs_per_cycle', float('nan')):.1f} host syncs/cycle "
+          f"({x.get('sync_counter', '?')})")
 EOF
 }
 
@@ -330,8 +383,17 @@ cleanup() {
 
 main() {
     echo "SpecFit GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), host ${HOSTNAME:-$(uname -n)}, repo $(pwd)"
-    echo "settings: PRESET=$PRESET LAYERS=$LAYERS SLOTS=$SLOTS WORK=$WORK TOTAL_BUDGET=${TOTAL_BUDGET}s stages=$STAGES log=$LOG"
+    echo "settings: PRESET=$PRESET LAYERS=$LAYERS SLOTS=$SLOTS WORK=$WORK part=${PART:-both} TOTAL_BUDGET=${TOTAL_BUDGET}s" \
+         "stages=$STAGES log=$LOG"
     if [ "$DRY" = 1 ]; then
+        local over=0 p est
+        for p in 1 2; do
+            local stages_var="PART$p"
+            est=$(estimate ${!stages_var})
+            echo "part $p (${!stages_var}): estimate ${est}s of the ${PART_LIMIT}s a part may take:" \
+                 "$([ "$est" -le "$PART_LIMIT" ] && echo fits || echo OVER)"
+            [ "$est" -le "$PART_LIMIT" ] || over=1
+        done
         echo "dry run: the plan (limits in seconds)"
         for s in $ALL_STAGES; do
             wanted "$s" || [ "$s" = env ] || continue
@@ -344,7 +406,7 @@ main() {
                 decode) decode_cmd; echo "  decode ${BUDGET[decode]}: ${CMD[*]}" ;;
             esac
         done
-        return 0
+        return $over
     fi
     mkdir -p "$WORK" && touch "$WORK/.specfit-gpu-check"
     if stage_env 2>&1 | tee "$TMPD/env.out"; [ "${PIPESTATUS[0]}" -eq 0 ]; then
@@ -393,8 +455,8 @@ summary() {
     local passed=0 i
     echo
     echo "================================ SUMMARY ================================"
-    echo "SpecFit GPU check: $PRESET with $LAYERS layers (the real per-layer shapes, $LAYERS of 48 layers, for" \
-         "qwen3-30b-a3b), SLOTS=$SLOTS; $(($(date +%s) - START))s"
+    echo "SpecFit GPU check, part ${PART:-1+2}: $PRESET with $LAYERS layers (the real per-layer shapes, $LAYERS of" \
+         "48 layers, for qwen3-30b-a3b), SLOTS=$SLOTS; $(($(date +%s) - START))s"
     for i in "${!NAMES[@]}"; do
         printf '  %-18s %-28s %4ss\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_USED[$i]}"
         [ "${RESULTS[$i]}" = PASS ] && passed=$((passed + 1))
@@ -412,7 +474,7 @@ trap cleanup EXIT
 {
     main
     rc=$?
-    if [ "$DRY" = 1 ]; then exit 0; fi
+    if [ "$DRY" = 1 ]; then exit $rc; fi
     summary && [ $rc -eq 0 ]
 } 2>&1 | tee "$LOG"
 exit "${PIPESTATUS[0]}"
