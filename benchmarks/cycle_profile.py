@@ -31,25 +31,27 @@ from specfit.drafting import levels, tree
 from specfit.evaluation import datasets
 from specfit.evaluation.harness import EMBEDDED_LINK_S, METHODS, load_instances
 from specfit.offload import experts, link
-from specfit.selection import route_sources, selector
+from specfit.selection import route_predictor, route_sources, selector
 from specfit.stats import GenerateScope
 
 # part -> [(owner, attribute)]: the functions whose exclusive time makes up the part
 PARTS = {
     "drafter forwards": [(drafter_module.Eagle3Drafter, "forward")],
-    "tree building, drafter bookkeeping": [(levels.TreeDrafter, "levels"), (levels.TreeDrafter, "process"),
+    "tree building, drafter bookkeeping": [(levels.TreeDrafter, "levels"), (levels.TreeDrafter, "_process"),
+                                           (levels.TreeDrafter, "_forward"),
                                            (levels.TreeDrafter, "_add_children"), (levels.TreeDrafter, "extend"),
                                            (levels.TreeDrafter, "states"), (assistants.SpecFitGenerator, "draft"),
                                            (assistants.SpecFitGenerator, "observe"),
                                            (assistants.Eagle3Generator, "draft"),
                                            (assistants.Eagle3Generator, "select")],
-    "route source": [(route_sources.PredictedRoutes, "__call__"), (route_sources, "oracle_routes")],
+    "route source": [(route_sources.PredictedRoutes, "__call__"), (route_sources, "oracle_routes"),
+                     (route_predictor.RoutePredictor, "routes")],  # the head runs inside each drafted level
     "selector": [(assistants, "select_subtree")],
     "verify layout": [(loop, "verify_layout")],
     "verify forward: attention and other dense": [],  # the target forward's own time (filled in below)
     "verify forward: experts function": [(experts.LayerRuntime, "forward")],
     "verify forward: emulated link wait": [(link.EmulatedLink, "wait")],
-    "acceptance": [(loop, "walk")],
+    "acceptance": [(loop, "walk"), (loop, "walk_greedy")],
     "KV compaction": [(seam, "keep_kv"), (seam, "crop_kv")],
     "commit, stopping criteria": [(loop._Run, "commit")],
 }

@@ -122,12 +122,15 @@ def test_decode_check_on_cpu(tiny_ckpt, tmp_path, capsys):
                        "--profile", str(profile), "--dtype", "float32", "--device", "cpu", "--threads", "1",
                        "--prompts", "2", "--prompt-len", "8", "--new-tokens", "6", "--json", str(out)])
     table = capsys.readouterr().out
-    assert "| AR |" in table and "| EAGLE-3 |" in table and "| SpecFit (oracle routes) |" in table
+    # the drafter is as wide as the target and no predictor is attached: "auto" ran the target's gates
+    assert "| AR |" in table and "| EAGLE-3 |" in table and "| SpecFit (gate routes) |" in table
     report = json.loads(out.read_text())
     r = report["results"]
     assert set(r) == {"ar", "eagle3", "specfit"}
     assert all(x["new_tokens"] == 12 and x["tokens_per_second"] > 0 for x in r.values())
     assert r["eagle3"]["same_as_ar"] == r["specfit"]["same_as_ar"] == 2  # fp32 greedy: lossless
+    assert r["specfit"]["route_source"] == "gate" and r["ar"]["route_source"] is None
+    assert all(x["syncs"] > 0 and x["sync_counter"] == "would-be syncs (CPU count)" for x in r.values())
     assert r["eagle3"]["nodes_per_cycle"] == 7 and r["ar"]["tokens_per_cycle"] == 1
     assert report["info"]["cost_model"]["beta"] == 1e-4 and not report["info"]["warnings"]
     assert all(x["warmup_prefill_hits"] == 0 for x in r.values())  # every mode starts from empty slots
@@ -169,10 +172,27 @@ def test_gpu_check_dry_run_writes_the_plan_to_one_log(tmp_path):
     assert dry.returncode == 0, dry.stderr
     log = (out / "gpu_check.log").read_text()
     assert log == dry.stdout and list(out.iterdir()) == [out / "gpu_check.log"]
-    for expected in ("pytest -m cuda tests/test_cuda.py", "--preset qwen3-30b-a3b --layers 12",
+    for expected in ("pytest -m cuda tests/test_cuda.py", "--preset qwen3-30b-a3b --layers 8",
                      "--slots 48 --cache-mode cached", "--cache-mode cleared", "decode_check.py",
-                     "--profile " + str(out / "profile-cached.json")):
+                     "--profile " + str(out / "profile-cached.json"),
+                     "part 1 (env pytest bandwidth): estimate 200s of the 300s a part may take: fits",
+                     "part 2 (env checkpoint calibrate decode): estimate 290s of the 300s a part may take: fits"):
         assert expected in log
+
+
+@pytest.mark.parametrize("part, stages, absent", [("1", ("pytest -m cuda", "bandwidth 30"), "decode_check.py"),
+                                                  ("2", ("synthetic_checkpoint.py", "decode_check.py"), "pytest -m")])
+def test_gpu_check_parts_plan_their_own_stages(tmp_path, part, stages, absent):
+    dry = run(GPU_CHECK + ["--dry-run", "--part", part, str(tmp_path)])
+    assert dry.returncode == 0, dry.stderr
+    log = (tmp_path / f"gpu_check-part{part}.log").read_text()
+    assert all(s in log for s in stages) and absent not in log.split("dry run: the plan")[1]
+
+
+def test_gpu_check_dry_run_fails_when_a_part_would_not_fit(tmp_path):
+    dry = run(GPU_CHECK + ["--dry-run", str(tmp_path)], PART_LIMIT="250")  # part 2 needs 290 s
+    assert dry.returncode == 1 and "estimate 290s of the 250s a part may take: OVER" in dry.stdout
+    assert run(GPU_CHECK + ["--part", "3", str(tmp_path)]).returncode == 2
 
 
 def test_cycle_profile_parts_add_up(tmp_path):

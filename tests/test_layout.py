@@ -16,7 +16,7 @@ ROOT = Path(specfit.__file__).parent
 
 # lower layers never import higher ones; modules of one layer may import each other (no circles, see below)
 LAYERS = [
-    {"specfit.seam", "specfit.stats"},
+    {"specfit.seam", "specfit.stats", "specfit.transfer"},
     {"specfit.offload", "specfit.drafting"},
     {"specfit.selection"},
     {"specfit.decoding"},

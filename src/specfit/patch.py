@@ -87,8 +87,8 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     seam.set_experts_implementation(model, seam.EXPERTS_IMPL, specfit_experts_forward)
     seam.route_blocks(layers, specfit_experts_forward)  # experts outside transformers' interface (Llama-4)
     base = model.model
-    hooks = [base.register_forward_pre_hook(lambda module, args: runtime.begin_forward()),
-             base.register_forward_hook(lambda module, args, output: runtime.end_forward())]
+    _serialize_forward(base, runtime)  # counters and routes per forward; one forward at a time, from any thread
+    hooks = []
     original_class = install_generation_strategy(model)
     runtime._restore = dict(previous_impl=previous_impl, hooks=hooks, original_class=original_class,
                             param_device=param_device, param_dtype=param_dtype, requires_grad=requires_grad)
@@ -112,6 +112,7 @@ def disable(model: nn.Module) -> nn.Module:
     r = runtime._restore
     for handle in r["hooks"]:
         handle.remove()
+    vars(model.model).pop("forward", None)  # the serialized forward: the class's own is back
     remove_generation_strategy(model, r["original_class"])
     seam.set_experts_implementation(model, r["previous_impl"])
     layers = seam.moe_layers(model)
@@ -124,6 +125,23 @@ def disable(model: nn.Module) -> nn.Module:
     runtime.store.release()
     del model.specfit
     return model
+
+
+def _serialize_forward(base: nn.Module, runtime) -> None:
+    """Wrap ``base.forward`` (an instance attribute over the class's method, removed by ``disable``): each forward
+    holds the model's lock while it opens and closes its counters and routes (``runtime.begin_forward`` /
+    ``end_forward``) and runs. The lock is released on any exception, KeyboardInterrupt included (torch runs
+    ``always_call`` forward hooks only for ``Exception``)."""
+    forward = base.forward
+
+    def serialized(*args, **kwargs):
+        with runtime.serialized("a forward"):
+            runtime.begin_forward()
+            out = forward(*args, **kwargs)
+            runtime.end_forward()
+            return out
+
+    base.forward = serialized
 
 
 def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None = None, device=None,
