@@ -35,6 +35,8 @@ _LAZY = {
     "select_subtree": "specfit.selection.selector",
     "Selection": "specfit.selection.selector",
     "CostModel": "specfit.selection.cost_model",
+    # measuring on your own prompts
+    "compare": "specfit.evaluation.comparison",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
