@@ -8,6 +8,7 @@ import torch
 from conftest import SelfDrafter, tiny_moe
 
 import specfit
+from specfit import embedded
 from specfit.evaluation.comparison import COLUMNS
 
 PROMPTS = [torch.randint(2, 256, (1, 7 + i), generator=torch.Generator().manual_seed(i)) for i in range(3)]
@@ -124,3 +125,20 @@ def test_compare_takes_registered_assistants(model):
     finally:
         ASSISTANTS.pop("mine")
     assert rows[1]["method"] == "mine" and rows[1]["nodes_per_cycle"] > 0
+
+
+@pytest.mark.skipif(not embedded.available(), reason="the embedded model is not installed with this package")
+def test_demo_runs_on_compare_and_says_where_specfit_pays(capsys, monkeypatch):
+    from specfit import cli
+    from specfit.evaluation import comparison
+
+    ran = []
+    original = comparison.run
+    monkeypatch.setattr(comparison, "run", lambda *a, **k: ran.append(a[3]) or original(*a, **k))
+    assert cli.main(["demo", "--prompts", "1", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert ran == [("ar", "eagle3", "specfit")] * 2  # both workloads measured by compare's code
+    pays = [line for line in out.splitlines() if line.startswith("Where SpecFit pays")]
+    assert len(pays) == 1 and "slots" in pays[0] and "link" in pays[0]
+    assert "1 CPU thread" in out  # the count the demo set, said
+    assert out.count("SpecFit + cache") == 2 and "vs AR" in out
