@@ -61,7 +61,8 @@ def test_html_tables_for_notebooks():
     page = stats._repr_html_()
     assert page.count("<table") == 1 and "last_generate (the last generate() call)" in page
     assert "total (since reset())" in page
-    assert "title='new tokens per second of decoding" in page  # each row's meaning as its tooltip
+    # each row's meaning and attribute as its tooltip
+    assert "title='new tokens per second of decoding, wall clock (prefill excluded) [tokens_per_second]'" in page
     assert re.search(r"copies/token</th><td[^>]*>2\.50</td><td[^>]*>2\.50</td>", page)
 
 

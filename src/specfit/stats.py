@@ -169,7 +169,7 @@ class Counters:
         return f"Counters({_short(self)})"
 
     def _repr_html_(self) -> str:
-        rows = [(label, [value], meaning) for label, value, meaning, _ in _figures(self)]
+        rows = [(label, [value], f"{meaning} [{attribute}]") for label, value, meaning, attribute in _figures(self)]
         return _html_table(["figure", "value"], rows)
 
 
@@ -247,7 +247,7 @@ def _short(c: Counters) -> str:
 
 
 def _html_table(header: list[str], rows: list[tuple[str, list[str], str]], caption: str = "") -> str:
-    """A small HTML table: one row per figure, its meaning as the row's tooltip."""
+    """A small HTML table: one row per figure, its meaning (and attribute) as the row's tooltip."""
     esc = html.escape
     out = ['<table class="specfit-stats">']
     if caption:
@@ -327,9 +327,9 @@ class Stats:
         by_label_total = {f[0]: f for f in _figures(self.total, force=True)}
         shown_last = {f[0] for f in last}
         rows = [(label, [by_label[label][1] if label in shown_last else "", by_label_total[label][1]],
-                 by_label[label][2]) for label in labels]
+                 f"{by_label[label][2]} [{by_label[label][3]}]") for label in labels]
         return _html_table(["", f"last_generate ({self._last_label()})", "total (since reset())"], rows,
-                           caption="model.specfit.stats (hover a row for its meaning)")
+                           caption="model.specfit.stats (hover a row for its meaning and attribute)")
 
 
 @dataclass(frozen=True)
