@@ -1,19 +1,25 @@
 """How many CPU threads suit the embedded model: AR, EAGLE-3 and SpecFit tok/s with 1, 2 and torch's default.
 
-    python benchmarks/threads.py [--threads 1 2 default] [--prompts 3] [--max-new-tokens 48] [--rounds 2]
+    python benchmarks/threads.py [--threads 1 2 default] [--rounds 6] [--max-new-tokens 48]
 
-Each thread count runs in a fresh process (torch's thread pool is set once there), with ``specfit.compare`` on the
-built-in prompts below (no data needed), 24 of 64 slots and the emulated link the demo uses. tok/s is wall clock of
-whole generate() calls. The figures decide what ``specfit.embedded.load`` advises (``FASTEST_THREADS``).
+One process, one model; the thread counts take turns (round r: each count in turn runs ``specfit.compare`` on
+built-in prompt r, so no data is needed), so a busy stretch of the machine hits them all alike. tok/s is wall clock
+of whole generate() calls, the median over rounds; 24 of 64 slots and the demo's emulated link. The figures decide
+what ``specfit.embedded.load`` advises (``FASTEST_THREADS``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
+import statistics
 import sys
+import warnings
+
+import torch
+
+import specfit
+from specfit.evaluation.harness import EMBEDDED_LINK_S
 
 PROMPTS = [
     "Question: Tom has 3 boxes with 12 apples in each box. He gives away 10 apples. How many apples are left?\n"
@@ -23,46 +29,31 @@ PROMPTS = [
 ]
 
 
-def child(threads: str, prompts: int, max_new_tokens: int, rounds: int) -> dict:
-    import torch
-
-    import specfit
-    from specfit.evaluation.harness import EMBEDDED_LINK_S
-
-    if threads != "default":
-        torch.set_num_threads(int(threads))
-    used = torch.get_num_threads()
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the thread-count notice is what this script measures
-        model, tokenizer = specfit.embedded.load(24, link=EMBEDDED_LINK_S)
-    best = {}
-    for _ in range(rounds):  # best of rounds: the least disturbed run of each method
-        for row in specfit.compare(model, tokenizer, PROMPTS[:prompts], max_new_tokens=max_new_tokens,
-                                   as_frame=False):
-            best[row["method"]] = max(best.get(row["method"], 0.0), row["tok_s"])
-    return {"threads": threads, "torch_threads": used, "cpus": len(os.sched_getaffinity(0)), "tok_s": best}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", nargs="+", default=["1", "2", "default"], help="thread counts, or 'default'")
-    p.add_argument("--prompts", type=int, default=3, help="built-in prompts per round (at most 3)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds (each thread count once per round)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per generate() call")
-    p.add_argument("--rounds", type=int, default=2, help="rounds per thread count (the best is kept)")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child is not None:
-        print(json.dumps(child(args.child, args.prompts, args.max_new_tokens, args.rounds)))
-        return 0
-    for threads in args.threads:
-        out = subprocess.run([sys.executable, __file__, "--child", threads, "--prompts", str(args.prompts),
-                              "--max-new-tokens", str(args.max_new_tokens), "--rounds", str(args.rounds)],
-                             capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        figures = "  ".join(f"{m} {v:6.1f}" for m, v in r["tok_s"].items())
-        print(f"threads {r['threads']:>7} (torch {r['torch_threads']}, {r['cpus']} CPUs usable): tok/s {figures}")
+
+    default = torch.get_num_threads()
+    counts = {name: default if name == "default" else int(name) for name in args.threads}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the thread-count notice: what this script measures
+        model, tokenizer = specfit.embedded.load(24, link=EMBEDDED_LINK_S)
+    figures = {name: {} for name in counts}
+    for r in range(args.rounds):
+        for name, n in counts.items():
+            torch.set_num_threads(n)
+            rows = specfit.compare(model, tokenizer, PROMPTS[r % len(PROMPTS)], max_new_tokens=args.max_new_tokens,
+                                   warmup=r == 0, as_frame=False)
+            for row in rows:
+                figures[name].setdefault(row["method"], []).append(row["tok_s"])
+    print(f"embedded model, 24 of 64 slots, emulated link; {len(os.sched_getaffinity(0))} CPUs usable, torch default "
+          f"{default} threads; median tok/s (wall clock of whole calls) over {args.rounds} rounds")
+    for name, n in counts.items():
+        cells = "  ".join(f"{m} {statistics.median(v):6.1f}" for m, v in figures[name].items())
+        print(f"threads {name:>7} ({n}): {cells}")
     return 0
 
 
