@@ -10,7 +10,7 @@ import torch
 
 from specfit import embedded
 
-torch.set_num_threads(1)
+torch.set_num_threads(1)  # fastest for a model this small; this script owns its process, so it sets it
 model, tokenizer = embedded.load(cache_slots=24, link=0.28e-3)  # 24 of 64 expert slots per layer
 prompt = "Question: A baker makes 24 muffins and sells 3 boxes of 6. How many muffins are left?\nAnswer:"
 ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -35,9 +35,13 @@ _LAZY = {
     "select_subtree": "specfit.selection.selector",
     "Selection": "specfit.selection.selector",
     "CostModel": "specfit.selection.cost_model",
+    # measuring on your own prompts
+    "compare": "specfit.evaluation.comparison",
 }
+# subpackages reachable as attributes after a plain `import specfit`, e.g. specfit.embedded.load(...)
+_SUBPACKAGES = ("embedded",)
 
-__all__ = sorted(_LAZY) + ["__version__"]
+__all__ = sorted(_LAZY) + list(_SUBPACKAGES) + ["__version__"]
 
 
 def __getattr__(name):
@@ -45,6 +49,8 @@ def __getattr__(name):
         value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBPACKAGES:
+        return import_module(f"specfit.{name}")  # the import binds it here as well
     raise AttributeError(f"module 'specfit' has no attribute {name!r}")
 
 

@@ -1,8 +1,16 @@
 """Counters: one dataclass for everything SpecFit counts, read as ``model.specfit.stats``.
 
-``Counters`` holds raw, additive counts; rates are derived properties, computed when read. ``Stats`` keeps
-``total`` (since the last ``reset()``), ``last_forward``, and for the last ``generate()`` call ``last_prefill``
-(the prompt's forward) and ``last_generate`` (everything after it: the decode phase the tables report).
+``Counters`` holds raw, additive counts; rates are derived properties, computed when read. ``Stats`` keeps several
+``Counters``, and their names say which span each covers:
+
+- ``stats.last_generate``: **the last** ``generate()`` **call** only (its decode phase, with the call's prefill
+  seconds riding along), replaced by every call. This is what to read after a call.
+- ``stats.total``: **the running sum** of every forward and call since ``stats.reset()`` (or since ``enable``).
+- ``stats.last_prefill`` (the last call's prompt forward) and ``stats.last_forward`` (the last target forward).
+
+In a notebook ``stats`` shows as a table of both (``_repr_html_``), and ``repr`` gives the same figures rounded on two
+labelled lines. ``stats.start_trace()`` records one ``CycleRecord`` per decoding cycle from then on, exportable as
+rows of dicts, a pandas DataFrame, or a plot (see ``Trace``).
 
 Times are wall clock: ``prefill_seconds`` runs from the entry of ``generate()`` to the end of the prompt's forward,
 ``decode_seconds`` from there to the end of decoding, so together they are what a stopwatch around the call reads.
@@ -17,6 +25,7 @@ bandwidth of the same copies in every scope.
 
 from __future__ import annotations
 
+import html
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
@@ -24,6 +33,36 @@ from typing import Callable
 
 @dataclass
 class Counters:
+    """Raw, additive counts of one span (a forward, a call, or everything since ``reset()``); rates are properties.
+
+    Offloaded experts, counted on every target forward:
+
+    - ``forwards``: target forwards. ``demand``: summed over forwards and MoE layers, the distinct experts a forward
+      needs. ``hits``: of those, already in a slot. ``misses``: not in a slot, so copied host-to-device (``streamed``:
+      the misses copied through scratch because every slot was taken by the same forward).
+    - ``bytes_copied``, ``copy_busy_seconds``: bytes of every expert copy counted here and the copy path's time for
+      them (CUDA: copy-stream event time; CPU: memcpy time, or the emulated link's time), so their ratio is the
+      bandwidth. ``copy_wait_seconds``: host wall time blocked by copies.
+    - ``pageable_copies``: CUDA copies from memory that is not pinned (synchronous: a warning sign).
+    - ``prefetch_copies``, ``prefetch_bytes``, ``prefetch_wasted``: copies started ahead of a forward (SpecFit's
+      ``prefetch=True``), their bytes (also in ``bytes_copied``), and those the next forward did not use.
+
+    Decoding, counted per ``generate()`` call:
+
+    - ``cycles``: decoding cycles, one verify forward each (plain decoding: one per token).
+    - ``nodes_drafted``: draft pool size summed over cycles. ``nodes_verified``: draft nodes in the verified subtrees
+      (the root not counted). ``tokens_committed``: accepted draft tokens plus the bonus token, summed over cycles.
+    - ``new_tokens``: tokens ``generate()`` returned (plain decoding too).
+    - ``prefill_seconds``: wall clock from ``generate()``'s entry to the end of the prompt's forward.
+      ``decode_seconds``: wall clock of everything after it; the two add up to a stopwatch around the call.
+      ``measurement_seconds``: the part of ``decode_seconds`` spent on measurement only (the route oracle).
+
+    Derived (properties): ``tokens_per_second`` (decode, wall clock), ``end_to_end_tokens_per_second`` (prefill
+    included), ``nodes_per_cycle``, ``tokens_per_cycle``, ``seconds_per_cycle``, ``copies`` (misses + prefetches),
+    ``copies_per_token``, ``hit_rate``, ``copy_bandwidth``, ``tokens_per_second_excluding_measurement``.
+    ``as_dict()`` gives every field and derived figure; ``repr`` the main figures, rounded.
+    """
+
     # offloaded experts (every target forward)
     forwards: int = 0
     demand: int = 0  # sum over layers of the distinct experts a forward needs
@@ -121,9 +160,120 @@ class Counters:
             out[name] = getattr(self, name)
         return out
 
+    def figures(self) -> list[tuple[str, str, str]]:
+        """The figures a reader looks at, as (label, rounded value, meaning); figures that do not apply (no cycles,
+        no oracle, no prefetch) are left out."""
+        return [(label, value, meaning) for label, value, meaning, _ in _figures(self)]
+
+    def __repr__(self) -> str:
+        return f"Counters({_short(self)})"
+
+    def _repr_html_(self) -> str:
+        rows = [(label, [value], f"{meaning} [{attribute}]") for label, value, meaning, attribute in _figures(self)]
+        return _html_table(["figure", "value"], rows)
+
+
+# What a reader sees of a Counters: (label, attribute or None, format, meaning, shown when). Shared by repr, the
+# notebook table and the docs; `expected_tokens` is read with getattr so that Counters without it still display.
+_FIGURES = (
+    ("new tokens", "new_tokens", "{:d}", "tokens generate() returned", "always"),
+    ("tok/s", "tokens_per_second", "{:.1f}", "new tokens per second of decoding, wall clock (prefill excluded)",
+     "tokens"),
+    ("tok/s end to end", "end_to_end_tokens_per_second", "{:.1f}",
+     "new tokens per second over the whole call, prefill included", "tokens"),
+    ("prefill s", "prefill_seconds", "{:.3f}", "wall clock from generate()'s entry to the end of the prompt's forward",
+     "tokens"),
+    ("decode s", "decode_seconds", "{:.3f}", "wall clock of the rest of the call", "tokens"),
+    ("cycles", "cycles", "{:d}", "decoding cycles, one target forward each (plain decoding: one per token)", "cycles"),
+    ("nodes/cycle", "nodes_per_cycle", "{:.2f}", "draft nodes verified per cycle (the root not counted)", "cycles"),
+    ("tokens/cycle", "tokens_per_cycle", "{:.2f}", "tokens committed per cycle: accepted draft tokens + 1 bonus",
+     "cycles"),
+    ("expected tokens/cycle", None, "{:.2f}", "tokens per cycle the selector expected from the subtrees it chose",
+     "expected"),
+    ("ms/cycle", None, "{:.2f}", "wall clock per cycle of the decode phase", "cycles"),
+    ("copies/token", "copies_per_token", "{:.2f}",
+     "host-to-device expert copies per new token (slot-cache misses + prefetches)", "tokens"),
+    ("copies", "copies", "{:d}", "host-to-device expert copies (slot-cache misses + prefetches)", "forwards"),
+    ("hit rate", "hit_rate", "{:.1%}", "share of the experts forwards needed that were already in a slot", "demand"),
+    ("forwards", "forwards", "{:d}", "target forwards", "always"),
+    ("oracle s", "measurement_seconds", "{:.3f}", "measurement-only time (the route oracle), inside decode s",
+     "measured"),
+    ("tok/s excl. oracle", "tokens_per_second_excluding_measurement", "{:.1f}",
+     "the paper's figure: decode tok/s with the oracle's time taken out", "measured"),
+    ("prefetch copies", "prefetch_copies", "{:d}", "copies started ahead of a forward (included in copies)",
+     "prefetch"),
+    ("prefetch wasted", "prefetch_wasted", "{:d}", "prefetched experts the next forward did not use", "prefetch"),
+    ("pageable copies", "pageable_copies", "{:d}", "CUDA copies from memory that is not pinned (synchronous)",
+     "pageable"),
+)
+# the figures of the one-line repr, with their labels there
+_SHORT = {"new tokens": "new_tokens", "tok/s": "tok/s", "tok/s end to end": "end_to_end_tok/s", "cycles": "cycles",
+          "nodes/cycle": "nodes/cycle", "tokens/cycle": "tokens/cycle", "expected tokens/cycle": "expected_tokens/cycle",
+          "copies/token": "copies/token", "hit rate": "hit_rate", "tok/s excl. oracle": "tok/s_excl_oracle",
+          "pageable copies": "pageable_copies", "copies": "copies", "forwards": "forwards"}
+
+
+def _expected_per_cycle(c: Counters) -> float:
+    return getattr(c, "expected_tokens", 0) / c.cycles if c.cycles else 0.0
+
+
+def _figures(c: Counters, force: bool = False) -> list[tuple[str, str, str, str]]:
+    """(label, value, meaning, attribute) of the figures that apply to ``c``; ``force``: all of them."""
+    shown = {"always": True, "tokens": c.new_tokens > 0, "cycles": c.cycles > 0, "forwards": c.forwards > 0,
+             "demand": c.demand > 0, "measured": c.measurement_seconds > 0, "prefetch": c.prefetch_copies > 0,
+             "pageable": c.pageable_copies > 0, "expected": bool(getattr(c, "expected_tokens", 0)) and c.cycles > 0}
+    out = []
+    for label, attribute, fmt, meaning, when in _FIGURES:
+        if not (force or shown[when]):
+            continue
+        if label == "expected tokens/cycle":
+            value, attribute = _expected_per_cycle(c), "expected_tokens / cycles"
+        elif label == "ms/cycle":
+            value, attribute = c.seconds_per_cycle * 1e3, "seconds_per_cycle * 1000"
+        else:
+            value = getattr(c, attribute)
+        out.append((label, fmt.format(value), meaning, attribute))
+    return out
+
+
+def _short(c: Counters) -> str:
+    """One line: the main figures of ``c``, rounded."""
+    shown = {label: value for label, value, _, _ in _figures(c)}
+    if c.new_tokens:
+        wanted = [label for label in _SHORT if label not in ("copies", "forwards")]
+    else:  # a forward, or a span without tokens: what the experts did
+        wanted = ["forwards", "copies", "hit rate", "pageable copies"]
+    return ", ".join(f"{_SHORT[label]}={shown[label]}" for label in wanted if label in shown)
+
+
+def _html_table(header: list[str], rows: list[tuple[str, list[str], str]], caption: str = "") -> str:
+    """A small HTML table: one row per figure, its meaning (and attribute) as the row's tooltip."""
+    esc = html.escape
+    out = ['<table class="specfit-stats">']
+    if caption:
+        out.append(f"<caption style='text-align:left'>{esc(caption)}</caption>")
+    out.append("<thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr></thead><tbody>")
+    for label, values, meaning in rows:
+        cells = "".join(f"<td style='text-align:right'>{esc(v)}</td>" for v in values)
+        out.append(f"<tr title='{esc(meaning, quote=True)}'><th style='text-align:left'>{esc(label)}</th>{cells}</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
 
 @dataclass
 class Stats:
+    """``model.specfit.stats``: every counter of an enabled model, by span.
+
+    - ``last_generate``: the last ``generate()`` call (its decode phase; the call's ``prefill_seconds`` rides along,
+      so end-to-end tok/s needs nothing else). Replaced by each call.
+    - ``total``: the running sum since ``reset()`` (or ``enable``): every forward, every call.
+    - ``last_prefill``: the last call's prompt forward. ``last_forward``: the last target forward.
+    - ``trace``: ``None`` (off), or a list that receives one ``CycleRecord`` per decoding cycle of an assistant
+      (plain decoding records none); turn it on with ``start_trace()``.
+
+    ``repr`` labels both spans on two lines; in a notebook the object shows as a table of both.
+    """
+
     total: Counters = field(default_factory=Counters)
     last_forward: Counters = field(default_factory=Counters)
     last_prefill: Counters = field(default_factory=Counters)
@@ -136,8 +286,15 @@ class Stats:
     settle: Callable[[], None] | None = field(default=None, repr=False)
 
     def reset(self) -> None:
+        """Zero ``total`` and the ``last_*`` spans (a running trace is kept)."""
         self.total, self.last_forward = Counters(), Counters()
         self.last_prefill, self.last_generate = Counters(), Counters()
+
+    def start_trace(self) -> "Trace":
+        """Record one ``CycleRecord`` per decoding cycle from now on (an earlier trace is dropped); returns the
+        ``Trace``, also at ``stats.trace``. ``stats.trace = None`` stops recording."""
+        self.trace = Trace()
+        return self.trace
 
     def generate_called(self) -> None:
         """Start the clock of a ``generate()`` call (its preparation counts as prefill time)."""
@@ -154,17 +311,38 @@ class Stats:
         if self.scope is not None and self.scope.after_prefill is None:
             self.scope.prefill_done()  # the first forward of a generate() call is its prefill
 
+    def _last_label(self) -> str:
+        method = getattr(self, "last_method", None)  # which path the last call ran, where the runtime records it
+        return "the last generate() call" + (f", {method}" if method else "")
+
     def __repr__(self) -> str:
-        t = self.total
-        return (f"Stats(forwards={t.forwards}, demand={t.demand}, hits={t.hits}, misses={t.misses}, "
-                f"bytes_copied={t.bytes_copied}, copy_busy_seconds={t.copy_busy_seconds:.4f}, "
-                f"pageable_copies={t.pageable_copies}, cycles={t.cycles}, "
-                f"new_tokens={t.new_tokens})")
+        last = _short(self.last_generate) if self.last_generate != Counters() else "no generate() call yet"
+        return (f"Stats(last_generate ({self._last_label()}): {last}\n"
+                f"      total (every call since reset()): {_short(self.total)})")
+
+    def _repr_html_(self) -> str:
+        last, total = _figures(self.last_generate), _figures(self.total)
+        labels = [label for label, *_ in _FIGURES if any(f[0] == label for f in last + total)]
+        by_label = {f[0]: f for f in _figures(self.last_generate, force=True)}
+        by_label_total = {f[0]: f for f in _figures(self.total, force=True)}
+        shown_last = {f[0] for f in last}
+        rows = [(label, [by_label[label][1] if label in shown_last else "", by_label_total[label][1]],
+                 f"{by_label[label][2]} [{by_label[label][3]}]") for label in labels]
+        return _html_table(["", f"last_generate ({self._last_label()})", "total (since reset())"], rows,
+                           caption="model.specfit.stats (hover a row for its meaning and attribute)")
 
 
 @dataclass(frozen=True)
 class CycleRecord:
-    """One decoding cycle: draft nodes verified, expert demand and misses of its verify forward, timed seconds."""
+    """One decoding cycle of an assistant, as ``stats.trace`` records it.
+
+    - ``n_nodes``: draft nodes verified (the root not counted). ``pool``: draft nodes drafted (0: drafting skipped).
+    - ``committed``: tokens the cycle committed (accepted draft tokens + the bonus token).
+    - ``demand``: distinct experts its verify forward needed, summed over layers; ``misses``: of those, copied to a
+      slot (the cycle's expert copies; prefetches are not in it).
+    - ``seconds``: the cycle's wall clock; ``draft_seconds`` the part spent drafting and selecting (phases 1-2);
+      ``measurement_seconds`` the part spent on measurement only (the route oracle).
+    """
 
     n_nodes: int
     demand: int
@@ -174,6 +352,73 @@ class CycleRecord:
     misses: int
     draft_seconds: float  # the part of `seconds` spent drafting and selecting (phases 1-2)
     measurement_seconds: float = 0.0  # the part of `seconds` spent on measurement only (the route oracle)
+
+
+class Trace(list):
+    """The per-cycle trace: a list of ``CycleRecord``, one per decoding cycle since ``stats.start_trace()``.
+
+    ``rows()`` gives plain dicts (``cycle`` plus every ``CycleRecord`` field), ``to_pandas()`` the same as a
+    DataFrame, ``plot()`` tokens, nodes and expert copies per cycle (matplotlib). The functions ``trace_rows``,
+    ``trace_to_pandas`` and ``plot_trace`` do the same for any list of records.
+    """
+
+    def rows(self) -> list[dict]:
+        return trace_rows(self)
+
+    def to_pandas(self):
+        return trace_to_pandas(self)
+
+    def plot(self, title: str | None = None):
+        return plot_trace(self, title)
+
+
+def trace_rows(trace) -> list[dict]:
+    """One dict per cycle: ``cycle`` (0, 1, ...) and the ``CycleRecord`` fields."""
+    return [{"cycle": i, **asdict(record)} for i, record in enumerate(_records(trace))]
+
+
+def trace_to_pandas(trace):
+    """The trace as a pandas DataFrame, one row per cycle, indexed by ``cycle``."""
+    try:
+        import pandas as pd
+    except ImportError as err:
+        raise ImportError("trace_to_pandas() needs pandas (pip install pandas); trace_rows() gives the same rows as "
+                          "plain dicts") from err
+    columns = ["cycle"] + [f.name for f in fields(CycleRecord)]
+    return pd.DataFrame(trace_rows(trace), columns=columns).set_index("cycle")
+
+
+def plot_trace(trace, title: str | None = None):
+    """Tokens committed and nodes verified per cycle (top), expert copies per cycle (bottom); returns the axes."""
+    plt = _pyplot("plot()")
+    rows = trace_rows(trace)
+    x = [r["cycle"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 4))
+    top.step(x, [r["committed"] for r in rows], where="mid", label="tokens committed")
+    top.step(x, [r["n_nodes"] for r in rows], where="mid", label="draft nodes verified")
+    top.set_ylabel("per cycle")
+    top.legend(fontsize=8)
+    bottom.bar(x, [r["misses"] for r in rows], color="tab:red", label="expert copies (slot-cache misses)")
+    bottom.set_ylabel("copies")
+    bottom.set_xlabel("decoding cycle")
+    bottom.legend(fontsize=8)
+    top.set_title(title or f"{len(rows)} decoding cycles", fontsize=9)
+    fig.tight_layout()
+    return top, bottom
+
+
+def _records(trace) -> list:
+    if trace is None:
+        raise ValueError("no trace recorded: call model.specfit.stats.start_trace() before generate()")
+    return list(trace)
+
+
+def _pyplot(what: str):
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError(f'{what} needs matplotlib, an optional dependency: pip install "specfit[plot]"') from err
+    return plt
 
 
 class GenerateScope:

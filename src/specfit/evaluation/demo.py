@@ -1,7 +1,8 @@
 """``specfit demo``: the embedded model with offloaded experts on the CPU, decoded by AR, EAGLE-3 and SpecFit.
 
 Prints the generated text once (all three produce the same tokens: decoding is lossless) and a table of wall-clock
-tok/s, draft nodes verified per cycle, tokens committed per cycle and expert copies per token, with a legend. SpecFit
+tok/s, draft nodes verified per cycle, tokens committed per cycle and expert copies per token, with a legend. The
+measurement is ``specfit.compare`` (the methods interleaved prompt by prompt, whole generate() calls timed). SpecFit
 runs with the defaults a user gets (deployable routes from the drafter's trained route predictor). The host link is
 emulated (every expert copy costs a set time), so the figures show the offload regime on a CPU; they are not GPU
 speed.
@@ -14,7 +15,10 @@ import warnings
 
 import torch
 
-from .harness import EMBEDDED_LINK_S, LEGEND, Row, format_table, load_instances, run_side_by_side
+from . import comparison
+from .harness import EMBEDDED_LINK_S, load_instances
+
+METHODS = ("ar", "eagle3", "specfit")
 
 # used only when neither the local data folder nor the hub can provide GSM8K / CNN prompts
 FALLBACK = {
@@ -38,41 +42,53 @@ def main(args) -> int:
     from . import datasets
 
     started = time.time()
-    torch.set_num_threads(args.threads)
-    print(f"SpecFit demo: the embedded Qwen3-MoE (64 experts, top-4, 6 layers) with its EAGLE-3 drafter, experts "
-          f"in host memory, {args.slots} slots per layer, CPU with an emulated host link of {args.link_ms:.2f} ms "
-          f"per expert copy (emulated: not GPU speed).")
-    print("The embedded model is a 5.6M-parameter model trained by this project only to show the method: its text is "
-          "not meant to be good. What matters is that all three methods write the same tokens, and how fast.\n")
+    torch.set_num_threads(args.threads)  # this command owns its process: the count that suits the model (--threads)
+    print(f"SpecFit demo: the embedded Qwen3-MoE ({_architecture()}) with its EAGLE-3 drafter, "
+          f"experts in host memory, {args.slots} slots per layer, CPU with an emulated host link of "
+          f"{args.link_ms:.2f} ms per expert copy (emulated: not GPU speed), {args.threads} CPU thread"
+          f"{'s' if args.threads != 1 else ''} (--threads).")
+    print("The embedded model is a small model trained by this project only to show the method: its text is not "
+          "meant to be good. What matters is that all three methods write the same tokens, and how fast.")
+    print(f"Where SpecFit pays: when expert copies are dear - few slots per layer (here {args.slots} of 64) and a "
+          f"slow host link (here {args.link_ms:.2f} ms per copy) - it verifies only the draft nodes worth their "
+          f"experts' copies, so it copies fewer experts per token than EAGLE-3; with every expert resident or a "
+          f"free link it has nothing to save.\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        instances, tokenizer = load_instances(["ar", "eagle3", "specfit"], args.slots, args.link_ms / 1e3)
-        rows = []
+        instances, tokenizer = load_instances(list(METHODS), args.slots, args.link_ms / 1e3)
+        tables = []
         for workload in ("gsm8k", "cnn"):
             try:
                 texts = datasets.prompts(workload, args.prompts, max_chars=1200)
             except datasets.DataUnavailable as err:
                 print(f"({workload}: {err}; using a built-in prompt)")
                 texts = FALLBACK[workload]
-            ids = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
-            totals, outputs = run_side_by_side(instances, ids, args.max_new_tokens, warmup=0)
-            for text, out in zip(texts, outputs["ar"]):
+            result = comparison.run(instances, tokenizer, texts, METHODS, max_new_tokens=args.max_new_tokens)
+            for text, out in zip(texts, result.outputs["ar"]):
                 print(f"--- {workload} prompt ---\n{_clip(text)}\n--- generated (identical for AR, EAGLE-3 and "
                       f"SpecFit) ---\n{tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
-            rows += [Row.of(m, workload, str(args.slots), "emulated link", len(ids), c) for m, c in totals.items()]
-    for w in ("gsm8k", "cnn"):
-        print(format_table([r for r in rows if r.workload == w],
-                           f"[{w}] {args.slots} slots of 64, CPU, emulated host link (not GPU speed)"))
-        print()
-    print("\n".join(LEGEND))
+            tables.append(result.format(f"[{workload}] {args.slots} slots of 64, CPU, emulated host link (not GPU "
+                                        f"speed), {len(texts)} prompt{'s' if len(texts) != 1 else ''}"))
+    for table in tables:
+        print(table + "\n")
+    print("\n".join(comparison.LEGEND))
     print("AR: plain generate(); EAGLE-3: its tree, 7 nodes verified; SpecFit: the subtree that maximises predicted "
           "tokens per second (default routes: the trained route predictor)\n")
     for warning in caught:
         if "profile" in str(warning.message):
             print(f"note: {warning.message}")
-    print(f"(tok/s: decode phase, wall clock; {time.time() - started:.0f} s in all. `specfit bench` runs the full "
-          f"table.)")
+    print(f"({time.time() - started:.0f} s in all. In Python: specfit.compare(model, tokenizer, prompts) runs this "
+          f"on your own prompts; `specfit bench` runs the full table.)")
     return 0
+
+
+def _architecture() -> str:
+    from transformers import AutoConfig
+
+    from .. import embedded
+
+    c = AutoConfig.from_pretrained(embedded.TARGET_DIR)
+    return f"{c.num_experts} experts, top-{c.num_experts_per_tok}, {c.num_hidden_layers} layers"
 
 
 def _clip(text: str, n: int = 300) -> str:

@@ -104,27 +104,62 @@ def load_instances(methods, slots: int | None, link_s: float | None) -> tuple[di
     return out, tokenizer
 
 
+@dataclass
+class Runs:
+    """What ``interleave`` measured, per method: summed decode-phase counters (``last_generate`` of each measured
+    call), summed wall clock of the measured ``generate()`` calls (whole calls, prefill included), and the new
+    tokens of every prompt (measured or not)."""
+
+    counters: dict[str, Counters]
+    seconds: dict[str, float]
+    calls: dict[str, int]
+    outputs: dict[str, list[torch.Tensor]]
+
+
+def interleave(models: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int, *, assistants: dict | None = None,
+               skip: int = 0, warmup_tokens: int = 0, check_lossless: bool = True, on_prompt=None,
+               **generate_kwargs) -> Runs:
+    """Every prompt with every method in turn (prompt 0 by each method, then prompt 1, ...), so a slow stretch of a
+    noisy machine hits all methods alike. ``models`` maps a method to its model (one model may serve several);
+    ``assistants`` maps it to the ``assistant=`` value (default: the harness's methods). ``skip``: prompts at the
+    start left out of the figures (unless there are no more). ``warmup_tokens``: first one untimed call per method
+    on prompt 0 with that many tokens (one-time costs stay out of the figures). ``check_lossless``: every method must
+    produce the first method's tokens (greedy decoding)."""
+    assistants = assistants if assistants is not None else {m: ASSISTANT[m] for m in models}
+    generate_kwargs.setdefault("do_sample", False)
+    runs = Runs({m: Counters() for m in models}, {m: 0.0 for m in models}, {m: 0 for m in models},
+                {m: [] for m in models})
+    if warmup_tokens and prompt_ids:
+        for method, model in models.items():
+            model.generate(prompt_ids[0], max_new_tokens=warmup_tokens, assistant=assistants[method],
+                           **generate_kwargs)
+    for i, ids in enumerate(prompt_ids):
+        for method, model in models.items():
+            started = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=max_new_tokens, assistant=assistants[method], **generate_kwargs)
+            seconds = time.perf_counter() - started
+            if i >= skip or len(prompt_ids) <= skip:
+                runs.counters[method] += model.specfit.stats.last_generate
+                runs.seconds[method] += seconds
+                runs.calls[method] += 1
+            runs.outputs[method].append(out[0, ids.shape[1]:])
+        first = next(iter(models))
+        reference = runs.outputs[first][-1]
+        for method in models if check_lossless else ():
+            if not torch.equal(runs.outputs[method][-1], reference):
+                raise AssertionError(f"{method} produced different greedy tokens than {first} on prompt {i}: "
+                                     f"lossless decoding is broken")
+        if on_prompt is not None:
+            on_prompt(i)
+    return runs
+
+
 def run_side_by_side(instances: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int, warmup: int = 1,
                      on_prompt=None) -> tuple[dict[str, Counters], dict[str, list[torch.Tensor]]]:
     """Greedy decoding of every prompt with every method in turn; returns the summed decode-phase counters and the
-    generated tokens of each method."""
-    totals = {m: Counters() for m in instances}
-    texts = {m: [] for m in instances}
-    for i, ids in enumerate(prompt_ids):
-        for method, model in instances.items():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 assistant=ASSISTANT[method])
-            if i >= warmup or len(prompt_ids) <= warmup:
-                totals[method] += model.specfit.stats.last_generate
-            texts[method].append(out[0, ids.shape[1]:])
-        reference = texts[next(iter(instances))][-1]
-        for method in instances:  # lossless: every method must produce the same tokens
-            if not torch.equal(texts[method][-1], reference):
-                raise AssertionError(f"{method} produced different greedy tokens than {next(iter(instances))} on "
-                                     f"prompt {i}: lossless decoding is broken")
-        if on_prompt is not None:
-            on_prompt(i)
-    return totals, texts
+    generated tokens of each method (``warmup``: prompts at the start left out of the counters)."""
+    runs = interleave(instances, prompt_ids, max_new_tokens, skip=warmup, on_prompt=on_prompt)
+    return runs.counters, runs.outputs
 
 
 def token_compute_seconds(model, ids: torch.Tensor, repeats: int = 20) -> float:
