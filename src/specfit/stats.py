@@ -2,7 +2,18 @@
 
 ``Counters`` holds raw, additive counts; rates are derived properties, computed when read. ``Stats`` keeps
 ``total`` (since the last ``reset()``), ``last_forward``, and for the last ``generate()`` call ``last_prefill``
-(the prompt's forward) and ``last_generate`` (everything after it: the decode phase the tables report).
+(the prompt's forward), ``last_generate`` (everything after it: the decode phase the tables report) and
+``last_method``, the decoding path that call ran:
+
+- ``"ar"``: transformers' own greedy or sampling decoding (no assistant);
+- ``"specfit"``, ``"eagle3"`` or another registered assistant's name (a factory's ``__name__``): SpecFit's loop;
+- ``"assisted"`` (``assistant_model=``, ``assistant_early_exit=``, ...) or ``"prompt_lookup"``
+  (``prompt_lookup_num_tokens=``): transformers' linear speculative decoding; other transformers modes by their
+  ``GenerationMode`` value (``"beam_search"``, ...). SpecFit sees only the target's forwards there: the expert
+  counters, ``new_tokens`` and the times are the call's, ``cycles`` and ``tokens_committed`` stay 0;
+- ``None``: no call yet, or the last one failed or was refused (its figures are then all zero).
+
+Every ``generate()`` on an enabled model clears the previous call's figures when it starts.
 
 Times are wall clock: ``prefill_seconds`` runs from the entry of ``generate()`` to the end of the prompt's forward,
 ``decode_seconds`` from there to the end of decoding, so together they are what a stopwatch around the call reads.
@@ -134,14 +145,17 @@ class Stats:
     # set by the runtime on a device with queued work (CUDA): waits for all of it and counts the copies' time; a
     # generate() scope calls it before it reads the clock or the counters, so no queued work is missed or misplaced
     settle: Callable[[], None] | None = field(default=None, repr=False)
+    last_method: str | None = None  # the decoding path of the last generate() call (see the module docstring)
 
     def reset(self) -> None:
         self.total, self.last_forward = Counters(), Counters()
-        self.last_prefill, self.last_generate = Counters(), Counters()
+        self.last_prefill, self.last_generate, self.last_method = Counters(), Counters(), None
 
     def generate_called(self) -> None:
-        """Start the clock of a ``generate()`` call (its preparation counts as prefill time)."""
+        """Start the clock of a ``generate()`` call (its preparation counts as prefill time) and clear the previous
+        call's figures, so a call that fails or takes another path never shows them as its own."""
         self.call_started = time.perf_counter()
+        self.last_prefill, self.last_generate, self.last_method = Counters(), Counters(), None
 
     def begin_generate(self) -> "GenerateScope":
         self.scope = GenerateScope(self, self.call_started)
