@@ -74,10 +74,8 @@ def main(args) -> int:
         for regime, link_s in regimes.items():
             for slots in args.slots:
                 n_slots = None if slots == "none" else int(slots)
-                instances, _ = load_instances(args.methods, n_slots, link_s)
-                for name, model in instances.items():
-                    if METHODS[name].assistant == "specfit":
-                        _ensure_profile(model, tokenizer)
+                instances, _ = load_instances(args.methods, n_slots, link_s, prepare=lambda model, method: (
+                    _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
                 for w, prompts in workloads.items():
                     totals, _ = run_side_by_side(instances, prompts, args.max_new_tokens,
                                                  on_prompt=lambda i: bar.update(1))
