@@ -85,6 +85,8 @@ def test_assistant_model_given_a_name_is_refused():
     model = enabled()
     with pytest.raises(ValueError, match=r"assistant_model= takes a draft model.*assistant='specfit'"):
         model.generate(PROMPT, max_new_tokens=3, assistant_model="specfit")
+    with pytest.raises(ValueError, match="either assistant= .* or custom_generate="):
+        model.generate(PROMPT, max_new_tokens=3, assistant="specfit", custom_generate=lambda model, *a, **k: None)
     assert model.specfit.stats.total.forwards == 0
 
 

@@ -84,9 +84,10 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     seam.set_experts_implementation(model, seam.EXPERTS_IMPL, specfit_experts_forward)
     seam.route_blocks(layers, specfit_experts_forward)  # experts outside transformers' interface (Llama-4)
     base = model.model
+    selected = seam.experts_implementation(model)  # "specfit" (a family whose experts SpecFit routes keeps its own)
 
     def before_forward(module, args):
-        if seam.experts_implementation(model) != seam.EXPERTS_IMPL:  # set on a submodel, or in the config directly
+        if seam.experts_implementation(model) != selected:  # changed on a submodel, or in the config directly
             raise RuntimeError(f"the experts implementation was changed to {seam.experts_implementation(model)!r} "
                                f"while SpecFit holds the experts in host memory; only {seam.EXPERTS_IMPL!r} can run "
                                f"them. Call specfit.disable(model) first, then change it")
@@ -155,7 +156,7 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
     _check_slots(cache_slots)
     enable_kwargs["link"] = link = _link_config(enable_kwargs.get("link"))
     OffloadConfig(cache_slots=cache_slots, cache_mode=enable_kwargs.get("cache_mode", "cached"), link=link, pin=pin)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     _check_link_device(link, device)
 
     def check(skeleton):  # the model without weights, before the checkpoint's shards are read
@@ -311,7 +312,8 @@ def detach_decoding(model) -> None:
 
 def configure(model, cost_model=None, **options) -> DecodingOptions:
     """Change decoding options on an enabled model, e.g. ``configure(model, max_nodes=5)``; ``cost_model=`` (a
-    ``CostModel`` or a profile path) replaces the cost model. Everything is checked before anything changes."""
+    ``CostModel`` or a profile path) replaces the cost model. Everything is checked before anything changes. What
+    ``enable`` set up (``cache_slots``, ``cache_mode``, ``link``, ``drafter``, ...) needs ``disable`` + ``enable``."""
     runtime = getattr(model, "specfit", None)
     if runtime is None:
         raise RuntimeError("SpecFit is not enabled on this model: specfit.enable(model, cache_slots=..., ...) first")

@@ -25,13 +25,14 @@ UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "output_attentions": F
 OTHER_METHODS = {"prompt_lookup_num_tokens": None, "assistant_early_exit": None, "use_mtp": False, "num_beams": 1,
                  "num_beam_groups": 1, "penalty_alpha": None, "constraints": None, "force_words_ids": None,
                  "dola_layers": None}
-_GENERATE_PARAMETERS = tuple(inspect.signature(GenerationMixin.generate).parameters)  # self, inputs, ..., kwargs
+_GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
+_GENERATE_PARAMETERS = tuple(_GENERATE_SIGNATURE.parameters)  # self, inputs, generation_config, ..., kwargs
 SAMPLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
 
 def generate_arguments(args, kwargs) -> dict:
     """``generate()``'s arguments by name, positional ones included (``inputs``, ``generation_config``, ...)."""
-    named = dict(inspect.signature(GenerationMixin.generate).bind_partial(None, *args, **kwargs).arguments)
+    named = dict(_GENERATE_SIGNATURE.bind_partial(None, *args, **kwargs).arguments)
     named.pop("self", None)
     named.update(named.pop("kwargs", {}))
     return named
@@ -52,6 +53,9 @@ def check_generate_arguments(model, args, kwargs) -> None:
     named = generate_arguments(args, kwargs)
     if named.get("assistant_model") is not None:
         raise ValueError("pass either assistant= (SpecFit tree decoding) or assistant_model= (transformers), not both")
+    if named.get("custom_generate") is not None:
+        raise ValueError("pass either assistant= (SpecFit's loop inside generate()) or custom_generate= (a loop of "
+                         "your own), not both")
     config = call_config(model, named)
     chosen = {name: getattr(config, name) for name, neutral in OTHER_METHODS.items()
               if getattr(config, name, neutral) not in (None, neutral)}
