@@ -53,10 +53,14 @@ def test_misspelt_keywords_are_named_before_any_work():
     with pytest.raises(TypeError, match=r"specfit.enable got an unexpected keyword argument 'max_node'; did you mean "
                                         r"'max_nodes'\?"):
         specfit.enable(model, cache_slots=4, max_node=3)
+    with pytest.raises(TypeError, match="'device_map'; did you mean 'device'"):
+        specfit.enable(model, cache_slots=4, device_map="cpu")
     assert untouched(model)
     specfit.enable(model, cache_slots=4)
     with pytest.raises(TypeError, match="'routesource'; did you mean 'route_source'"):
         specfit.configure(model, routesource="gate")
+    with pytest.raises(TypeError, match="'costmodel'; did you mean 'cost_model'"):
+        specfit.configure(model, costmodel="profile.json")
 
 
 @pytest.mark.parametrize("name,value", [("cache_slots", 3), ("link", 1e-3), ("cache_mode", "cleared")])

@@ -9,6 +9,7 @@ generation strategy into the model's class. ``disable`` undoes each step, so out
 from __future__ import annotations
 
 import difflib
+import inspect
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     if getattr(model, "specfit", None) is not None:
         raise RuntimeError("SpecFit is already enabled on this model; call specfit.disable(model) first")
     # every setting is checked before the model is touched
-    _check_keywords(decoding, DECODING_KEYWORDS, "specfit.enable")
+    _check_keywords(decoding, DECODING_KEYWORDS, "specfit.enable", named=enable)
     _decoding_options(decoding)
     layers = seam.moe_layers(model)
     first = layers[0]
@@ -150,7 +151,7 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
             every module to the same device. Maps over several devices, and disk offload, are refused.
         **enable_kwargs: passed to ``specfit.enable`` (``drafter``, ``link``, ``cache_mode``, decoding options...).
     """
-    _check_keywords(enable_kwargs, FROM_PRETRAINED_KEYWORDS, "specfit.from_pretrained")
+    _check_keywords(enable_kwargs, FROM_PRETRAINED_KEYWORDS, "specfit.from_pretrained", named=from_pretrained)
     device = _device_of_map(device_map, device)
     _decoding_options(enable_kwargs)
     _check_slots(cache_slots)
@@ -174,18 +175,22 @@ FROM_PRETRAINED_KEYWORDS = DECODING_KEYWORDS + ("cache_mode", "link", "drafter")
 ENABLE_ONLY = ("cache_slots", "cache_mode", "link", "pin", "device", "store", "drafter", "route_predictor")
 
 
-def _check_keywords(given, accepted, where: str, enable_only=()) -> None:
-    """Unknown keywords are refused by name, with the closest accepted one (``max_node`` -> ``max_nodes``)."""
+def _check_keywords(given, accepted, where: str, named=None, enable_only=()) -> None:
+    """Unknown keywords in ``given`` (a function's ``**kwargs``) are refused by name, with the closest of the
+    keywords the function takes: ``accepted`` and the keyword parameters of ``named`` (``max_node`` -> ``max_nodes``,
+    ``device_map`` -> ``device``)."""
     for key in given:
         if key in accepted:
             continue
         if key in enable_only:
             raise TypeError(f"{where} cannot change {key}= on an enabled model: it is set by specfit.enable. Call "
                             f"specfit.disable(model), then specfit.enable(model, {key}=..., ...) again")
-        close = difflib.get_close_matches(key, accepted, n=1)
+        parameters = inspect.signature(named).parameters.values() if named is not None else ()
+        takes = sorted({*accepted, *(p.name for p in parameters if p.kind in (p.KEYWORD_ONLY,
+                                                                              p.POSITIONAL_OR_KEYWORD))} - {"model"})
+        close = difflib.get_close_matches(key, takes, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else "."
-        raise TypeError(f"{where} got an unexpected keyword argument {key!r}{hint} It takes: "
-                        f"{', '.join(sorted(accepted))}")
+        raise TypeError(f"{where} got an unexpected keyword argument {key!r}{hint} It takes: {', '.join(takes)}")
 
 
 def _decoding_options(kwargs) -> DecodingOptions:
@@ -317,7 +322,7 @@ def configure(model, cost_model=None, **options) -> DecodingOptions:
     runtime = getattr(model, "specfit", None)
     if runtime is None:
         raise RuntimeError("SpecFit is not enabled on this model: specfit.enable(model, cache_slots=..., ...) first")
-    _check_keywords(options, OPTION_NAMES + ("cost_model",), "specfit.configure", enable_only=ENABLE_ONLY)
+    _check_keywords(options, OPTION_NAMES, "specfit.configure", named=configure, enable_only=ENABLE_ONLY)
     new_options = replace(runtime.options, **options)
     previous = runtime.options, runtime.cost_model
     runtime.options = new_options

@@ -91,6 +91,9 @@ def check_input_ids(model, ids: torch.Tensor) -> None:
     if ids.numel() == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(ids.shape)}): give the prompt at least one token, e.g. "
                          f"the tokenizer's BOS token")
+    if ids.dim() == 2 and ids.shape[0] != 1:
+        raise ValueError(f"assistant decoding runs one sequence at a time (batch size 1), got a batch of "
+                         f"{ids.shape[0]}; loop over the prompts, or use generate() without assistant= for batches")
     vocab = model.get_input_embeddings().weight.shape[0]
     low, high = torch.stack(torch.aminmax(ids)).tolist()
     if low < 0 or high >= vocab:
