@@ -175,9 +175,11 @@ def test_options_needing_the_found_profile_are_checked_at_configure(empty_cache)
     assert model.specfit.options.max_nodes == 7
 
 
-@pytest.mark.parametrize("field,value,shown", [("heldout_r2", float("nan"), r"quality\.heldout_r2"),
-                                               ("beta_interval_s", [1e-3, float("inf")], r"quality\.beta_interval_s\[1\]"),
-                                               ("choice_loss", float("-inf"), r"quality\.choice_loss")])
+@pytest.mark.parametrize("field,value,shown", [
+    ("heldout_r2", float("nan"), r"quality\.heldout_r2"),
+    ("beta_interval_s", [1e-3, float("inf")], r"quality\.beta_interval_s\[1\]"),
+    ("choice_loss", float("-inf"), r"quality\.choice_loss"),
+])
 def test_profile_quality_fields_must_be_finite(tmp_path, field, value, shown):
     quality = {"verdict": "good", "reasons": [], "heldout_r2": 0.9, "beta_interval_s": [1e-3, 2e-3], "choice_loss": 0.0}
     path = tmp_path / "profile.json"

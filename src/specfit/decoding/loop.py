@@ -20,7 +20,7 @@ from ..drafting.tree import verify_layout
 from ..selection.route_sources import Cycle
 from .acceptance import walk, walk_greedy
 
-UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False}
+UNSUPPORTED = {"num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False}
 # generation-config fields that make transformers run another method than greedy/sampling, with their neutral values
 OTHER_METHODS = {"prompt_lookup_num_tokens": None, "assistant_early_exit": None, "use_mtp": False, "num_beams": 1,
                  "num_beam_groups": 1, "penalty_alpha": None, "constraints": None, "force_words_ids": None,
@@ -61,10 +61,11 @@ def check_generate_arguments(model, args, kwargs) -> None:
               if getattr(config, name, neutral) not in (None, neutral)}
     if chosen or config.get_generation_mode() not in SAMPLE_MODES:
         shown = ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "these generate() arguments"
-        raise ValueError(f"assistant=... needs greedy or sampling decoding, but {shown} select transformers' "
-                         f"{config.get_generation_mode(named.get('assistant_model')).value.replace('_', ' ')}: "
-                         f"drop assistant= to run that method, or drop {'them' if len(chosen) != 1 else 'it'} "
-                         f"to decode with the assistant")
+        one = len(chosen) == 1
+        method = config.get_generation_mode(named.get("assistant_model")).value.replace("_", " ")
+        raise ValueError(f"assistant=... needs greedy or sampling decoding, but {shown} "
+                         f"{'selects' if one else 'select'} transformers' {method}: drop assistant= to run that "
+                         f"method, or drop {'it' if one else 'them'} to decode with the assistant")
     for name, allowed in UNSUPPORTED.items():
         value = getattr(config, name, None)
         if value not in (None, allowed):
