@@ -125,15 +125,17 @@ def test_predictor_source_needs_a_predictor():
 
 def test_cache_aware_cost_is_lossless_and_needs_its_fit():
     model = tiny_moe()
-    specfit.enable(model, cache_slots=5, drafter=SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3),
-                   cost_model=COST, cost="cache-aware")
+    drafter = SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3)
+    with pytest.raises(ValueError, match="cache-aware"):  # refused where it is given, not at the first generate()
+        specfit.enable(model, cache_slots=5, drafter=drafter, cost_model=COST, cost="cache-aware")
+    specfit.enable(model, cache_slots=5, drafter=drafter, cost_model=COST)
     with pytest.raises(ValueError, match="cache-aware"):
-        model.generate(PROMPT, max_new_tokens=3, assistant="specfit")
+        configure(model, cost="cache-aware")
     fitted = calibrate(model, [PROMPT], probes=24, warmup=1, max_new_tokens=40).cost
     aware = fitted.cache_aware()  # the same probes fitted on misses, stored beside the demand fit with its checks
     assert aware.max_nodes == fitted.max_nodes and aware.draft_level_seconds == fitted.draft_level_seconds
     assert {"r2", "heldout_r2", "beta_interval_s"} <= set(aware.meta)
-    model.specfit.cost_model = fitted
+    configure(model, cost_model=fitted, cost="cache-aware")
     expected = tiny_moe().generate(PROMPT, max_new_tokens=20, do_sample=False)
     assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False, assistant="specfit"), expected)
 

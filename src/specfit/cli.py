@@ -1,28 +1,130 @@
-"""The ``specfit`` command. Each subcommand lives in its own module, imported only when it runs.
-
-A subcommand module defines ``add_arguments(parser)`` and ``main(args) -> int | None``.
+"""The ``specfit`` command. Each subcommand lives in its own module, imported only when it runs, so ``specfit --help``
+stays fast; a subcommand module defines ``add_arguments(parser)`` and ``main(args) -> int | None``.
 """
 
 import argparse
+import os
 import sys
+import textwrap
 from importlib import import_module
 
-# name -> (module, one-line help). Listed here so that `specfit --help` needs no heavy import.
-SUBCOMMANDS = {
-    "demo": ("specfit.evaluation.demo", "run the embedded model with AR, EAGLE-3 and SpecFit and print a small table"),
-    "bench": ("specfit.evaluation.bench", "reproduce the paper's table on the embedded model (slots sweep, two link regimes)"),
-    "calibrate": ("specfit.evaluation.calibrate", "fit the cycle-time model a(n) + beta * demand for this device"),
-    "train-target": ("specfit.training.target", "train the embedded Qwen3-MoE (and its tokenizer) from scratch"),
-    "train-drafter": ("specfit.training.drafter", "train the embedded EAGLE-3 drafter on target-generated text"),
-    "train-router": ("specfit.training.router", "train the route predictor for draft nodes"),
+DESCRIPTION = """\
+SpecFit runs a large mixture-of-experts model on one GPU with its routed experts in host memory and a small cache
+of expert slots per layer on the GPU, and speeds up decoding with tree speculative decoding that verifies only the
+draft tokens worth the expert copies they cause. The output is the model's own: greedy decoding gives exactly the
+tokens of plain generate().
+
+In Python: specfit.from_pretrained(...) or specfit.enable(model, cache_slots=...), then
+model.generate(..., assistant="specfit"). These commands run the embedded demo model shipped with the package,
+measure this machine, and retrain the embedded models."""
+
+# The terms the commands' output and the README use; README.md's glossary says the same.
+TERMS = {
+    "slots": "expert slots per MoE layer on the device: an LRU cache of experts (the paper: 48 of Qwen3-30B-A3B's "
+             "128); a cache miss copies one expert from host memory",
+    "link": "the host-to-device path the experts are copied over; on a CPU it is emulated (each copy takes a set "
+            "time) and every figure says so: CPU figures are not GPU speed",
+    "cache mode": "'cached': slots keep experts across forwards (LRU); 'cleared': emptied before every forward",
+    "AR": "autoregressive decoding: plain generate(), one token per forward",
+    "drafter": "the small EAGLE-3 model that proposes a tree of draft tokens from the target's hidden states",
+    "node": "one draft token of the tree; nodes/cycle counts the draft tokens verified per cycle",
+    "cycle": "draft, select a subtree, verify it in one target forward, accept the longest agreeing path",
+    "EAGLE-3": "drafts the full tree and verifies its 7 most probable nodes (the paper's baseline)",
+    "eagle3-vanilla": "EAGLE-3 with the slot cache emptied before every forward (the paper's 'vanilla' row)",
+    "SpecFit": "verifies the subtree with the most predicted tokens per predicted second, counting the experts it "
+               "would copy, and stops drafting when deeper levels do not pay",
+    "route source": "where SpecFit learns which experts a draft token would use: 'predictor' (trained), 'gate' "
+                    "(the target's own routers on the drafter's states) or 'oracle'",
+    "oracle": "exact routes from an extra target forward per drafted level: the paper's measurement device, not "
+              "deployable; its time is counted and shown apart",
+    "demand": "the experts a forward needs, summed over layers; copies are those not already in a slot",
+    "profile": "the fitted cycle-time model a(n) + beta * demand (per device, model, slots, cache mode and link) "
+               "that SpecFit's selector uses; `specfit calibrate` makes it",
 }
 
 
+def _glossary(width: int = 100) -> str:
+    lines = ["terms:"]
+    for term, text in TERMS.items():
+        lines += textwrap.wrap(text, width, initial_indent=f"  {term:<16}", subsequent_indent=" " * 18)
+    return "\n".join(lines) + "\n\nRun `specfit COMMAND --help` for a command's options. More: README.md."
+
+
+GLOSSARY = _glossary()
+
+# name -> (module, one-line help, description). Listed here so that `specfit --help` needs no heavy import.
+SUBCOMMANDS = {
+    "demo": ("specfit.evaluation.demo",
+             "decode a few prompts with AR, EAGLE-3 and SpecFit on the embedded model and compare them",
+             "Decode a few GSM8K and CNN/DailyMail prompts with the embedded model (a small Qwen3-MoE and its EAGLE-3 "
+             "drafter, shipped with the package) three ways, AR, EAGLE-3 and SpecFit, on the CPU with an emulated "
+             "host link. Prints the text once (all three write the same tokens) and a table of tok/s, nodes verified "
+             "per cycle, tokens per cycle and expert copies per token. Under two minutes; without the datasets it "
+             "uses built-in prompts."),
+    "bench": ("specfit.evaluation.bench",
+              "reproduce the paper's table on the embedded model (slot sweep, two link regimes)",
+              "Reproduce the paper's table on the embedded model: AR, EAGLE-3 vanilla, EAGLE-3 and SpecFit (plus "
+              "SpecFit with oracle routes) over a sweep of slot counts, with no link cost and with an emulated host "
+              "link, on CNN/DailyMail and GSM8K test prompts. Writes results.json and a PNG of tok/s against slots. "
+              "A SpecFit row without a cost profile for its setup is calibrated first. --quick is a smoke run."),
+    "calibrate": ("specfit.evaluation.calibrate",
+                  "fit this machine's cycle-time model a(n) + beta * demand, check it, install it",
+                  "Fit the cycle-time model time(n, demand) = a(n) + beta * demand on this machine for one model, "
+                  "slot count, cache mode and link, from timed probe cycles; check the fit (held-out error, bootstrap "
+                  "intervals, the selector's stability) and install the profile in the user cache, where "
+                  "specfit.enable finds it. A poor fit is refused with the remedy (--force installs it anyway)."),
+    "train-target": ("specfit.training.target", "train the embedded Qwen3-MoE (and its tokenizer) from scratch",
+                     "Train the embedded Qwen3-MoE and its tokenizer from scratch on GSM8K and OpenStax text "
+                     "(needs the local data folder)."),
+    "train-drafter": ("specfit.training.drafter", "train the embedded EAGLE-3 drafter on target-generated text",
+                      "Train the embedded EAGLE-3 drafter on responses the target generates."),
+    "train-router": ("specfit.training.router", "train the route predictor for draft nodes",
+                     "Train the route predictor that tells SpecFit which experts a draft token will use (saved "
+                     "beside the drafter, where route_source='auto' finds it)."),
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs as written; every option's default shown unless its help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" in text.lower() or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    from . import __version__
+
+    parts = []
+    for name in ("torch", "transformers"):
+        try:
+            parts.append(f"{name} {installed(name)}")
+        except PackageNotFoundError:
+            parts.append(f"{name} missing")
+    return f"specfit {__version__} (Python {sys.version.split()[0]}, {', '.join(parts)})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specfit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="specfit", description=DESCRIPTION, epilog=GLOSSARY,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, help_text) in SUBCOMMANDS.items():
+    for name, (_, help_text, _) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    module_name, _, description = SUBCOMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"specfit {name}", description=textwrap.fill(description, 100),
+                                     epilog=GLOSSARY, formatter_class=HelpFormatter)
+    import_module(module_name).add_arguments(parser)
     return parser
 
 
@@ -32,15 +134,20 @@ def main(argv=None) -> int:
         parser = build_parser()
         if argv and not argv[0].startswith("-"):
             parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join(SUBCOMMANDS)}")
-        parser.parse_args(argv)  # prints help for -h, errors for other flags
+        parser.parse_args(argv)  # prints help for -h, the version for --version, errors for other flags
         parser.print_help()
         return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    module_name, help_text = SUBCOMMANDS[name]
-    module = import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"specfit {name}", description=help_text)
-    module.add_arguments(parser)
-    return int(module.main(parser.parse_args(rest)) or 0)
+    name = argv[0]
+    args = command_parser(name).parse_args(argv[1:])
+    from .evaluation.datasets import DataUnavailable  # light: no torch
+
+    try:
+        return int(import_module(SUBCOMMANDS[name][0]).main(args) or 0)
+    except (ValueError, FileNotFoundError, DataUnavailable) as err:  # refusals: what and why, without a traceback
+        if os.environ.get("SPECFIT_TRACEBACK"):
+            raise
+        print(f"specfit {name}: error: {err}\n(set SPECFIT_TRACEBACK=1 to see where)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ generation strategy into the model's class. ``disable`` undoes each step, so out
 
 from __future__ import annotations
 
-from dataclasses import replace
+import difflib
+import inspect
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ from .offload.link import LinkConfig
 from .offload.loader import load_offloaded
 from .offload.runtime import SpecFitRuntime
 from .offload.store import ExpertStore
-from .selection.profiles import checked_cost_model
+from .selection.profiles import check_profile_options, checked_cost_model
 from .selection.route_predictor import CONFIG, RoutePredictor
 from .selection.route_sources import choose_route_source
 
@@ -48,22 +50,18 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     """
     if getattr(model, "specfit", None) is not None:
         raise RuntimeError("SpecFit is already enabled on this model; call specfit.disable(model) first")
+    # every setting is checked before the model is touched
+    _check_keywords(decoding, DECODING_KEYWORDS, "specfit.enable", named=enable)
+    _decoding_options(decoding)
     layers = seam.moe_layers(model)
     first = layers[0]
     num_experts = first.num_experts
-    if cache_slots is None:
-        raise ValueError(f"cache_slots is required: expert slots per MoE layer on the device, 1..{num_experts}")
-    if isinstance(cache_slots, bool) or not isinstance(cache_slots, int) or not 1 <= cache_slots <= num_experts:
-        raise ValueError(f"cache_slots must be an integer in 1..{num_experts} (the model's experts per layer), "
-                         f"got {cache_slots!r}")
-    if isinstance(link, (int, float)) and not isinstance(link, bool):
-        link = LinkConfig(seconds_per_expert=float(link))
-    elif link is not None and not isinstance(link, LinkConfig):
-        raise ValueError(f"link must be a LinkConfig or seconds per expert copy (a float), got {link!r}")
+    _check_slots(cache_slots, num_experts)
+    link = _link_config(link)
     config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin)
     device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
-    if link is not None and device.type == "cuda":
-        raise ValueError("link= emulates a host link for CPU studies; on CUDA the copies are real: leave it unset")
+    _check_link_device(link, device)
+    _check_weights_in_memory(model)
 
     # disable() gives the experts back as parameters where they were; a model built by from_pretrained never had
     # them, so they come back on the compute device, beside the rest of the model
@@ -87,7 +85,15 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     seam.set_experts_implementation(model, seam.EXPERTS_IMPL, specfit_experts_forward)
     seam.route_blocks(layers, specfit_experts_forward)  # experts outside transformers' interface (Llama-4)
     base = model.model
-    _serialize_forward(base, runtime)  # counters and routes per forward; one forward at a time, from any thread
+    selected = seam.experts_implementation(model)  # "specfit" (a family whose experts SpecFit routes keeps its own)
+
+    def check_experts_implementation():
+        if seam.experts_implementation(model) != selected:  # changed on a submodel, or in the config directly
+            raise RuntimeError(f"the experts implementation was changed to {seam.experts_implementation(model)!r} "
+                               f"while SpecFit holds the experts in host memory; only {seam.EXPERTS_IMPL!r} can run "
+                               f"them. Call specfit.disable(model) first, then change it")
+
+    _serialize_forward(base, runtime, check_experts_implementation)  # one forward at a time, from any thread
     hooks = []
     original_class = install_generation_strategy(model)
     runtime._restore = dict(previous_impl=previous_impl, hooks=hooks, original_class=original_class,
@@ -127,14 +133,15 @@ def disable(model: nn.Module) -> nn.Module:
     return model
 
 
-def _serialize_forward(base: nn.Module, runtime) -> None:
+def _serialize_forward(base: nn.Module, runtime, check) -> None:
     """Wrap ``base.forward`` (an instance attribute over the class's method, removed by ``disable``): each forward
     holds the model's lock while it opens and closes its counters and routes (``runtime.begin_forward`` /
-    ``end_forward``) and runs. The lock is released on any exception, KeyboardInterrupt included (torch runs
-    ``always_call`` forward hooks only for ``Exception``)."""
+    ``end_forward``) and runs; ``check()`` first. The lock is released on any exception, KeyboardInterrupt included
+    (torch runs ``always_call`` forward hooks only for ``Exception``)."""
     forward = base.forward
 
     def serialized(*args, **kwargs):
+        check()
         with runtime.serialized("a forward"):
             runtime.begin_forward()
             out = forward(*args, **kwargs)
@@ -145,18 +152,131 @@ def _serialize_forward(base: nn.Module, runtime) -> None:
 
 
 def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None = None, device=None,
-                    revision: str | None = None, pin: bool | str = "auto", **enable_kwargs) -> nn.Module:
-    """Load a Qwen3-MoE checkpoint with its routed experts offloaded; returns the enabled model.
+                    revision: str | None = None, pin: bool | str = "auto", device_map=None,
+                    **enable_kwargs) -> nn.Module:
+    """Load a checkpoint with its routed experts offloaded; returns the enabled model.
+
+    Every argument is checked before any checkpoint byte is read (for a hub id, before anything but ``config.json``
+    is downloaded): keywords, ``cache_slots`` against the model's experts, ``link``, the decoding options.
 
     Args:
         path_or_id: a local checkpoint folder or a hub repo id (e.g. ``"Qwen/Qwen3-30B-A3B"``).
         cache_slots: expert slots per MoE layer on the device (see ``specfit.enable``).
         dtype: weight dtype; defaults to the checkpoint's (``config.dtype``), else float32.
-        device: compute device; defaults to CUDA when available, else CPU.
-        **enable_kwargs: passed to ``specfit.enable`` (``drafter``, ``link``, ``cache_mode``, ...).
+        device: compute device for everything but the routed experts; defaults to CUDA when available, else CPU.
+        device_map: as in transformers, for the weights that are not routed experts, which SpecFit keeps on one
+            device: ``"auto"`` (the default device), one device (``"cuda:1"``, ``0``, ``"cpu"``) or a dict mapping
+            every module to the same device. Maps over several devices, and disk offload, are refused.
+        **enable_kwargs: passed to ``specfit.enable`` (``drafter``, ``link``, ``cache_mode``, decoding options...).
     """
-    model, store, device = load_offloaded(path_or_id, dtype=dtype, device=device, revision=revision, pin=pin)
+    _check_keywords(enable_kwargs, FROM_PRETRAINED_KEYWORDS, "specfit.from_pretrained", named=from_pretrained)
+    device = _device_of_map(device_map, device)
+    _decoding_options(enable_kwargs)
+    _check_slots(cache_slots)
+    enable_kwargs["link"] = link = _link_config(enable_kwargs.get("link"))
+    OffloadConfig(cache_slots=cache_slots, cache_mode=enable_kwargs.get("cache_mode", "cached"), link=link, pin=pin)
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    _check_link_device(link, device)
+
+    def check(skeleton):  # the model without weights, before the checkpoint's shards are read
+        _check_slots(cache_slots, seam.moe_layers(skeleton)[0].num_experts)
+
+    model, store, device = load_offloaded(path_or_id, dtype=dtype, device=device, revision=revision, pin=pin,
+                                          check=check)
     return enable(model, cache_slots=cache_slots, store=store, device=device, pin=pin, **enable_kwargs)
+
+
+# --- checks of what enable / configure / from_pretrained are given ----------------------------------------------
+OPTION_NAMES = tuple(f.name for f in fields(DecodingOptions))  # new options pass the keyword check by themselves
+DECODING_KEYWORDS = OPTION_NAMES + ("cost_model", "route_predictor")  # enable's **decoding
+FROM_PRETRAINED_KEYWORDS = DECODING_KEYWORDS + ("cache_mode", "link", "drafter")
+ENABLE_ONLY = ("cache_slots", "cache_mode", "link", "pin", "device", "store", "drafter", "route_predictor")
+
+
+def _check_keywords(given, accepted, where: str, named=None, enable_only=()) -> None:
+    """Unknown keywords in ``given`` (a function's ``**kwargs``) are refused by name, with the closest of the
+    keywords the function takes: ``accepted`` and the keyword parameters of ``named`` (``max_node`` -> ``max_nodes``,
+    ``device_map`` -> ``device``)."""
+    for key in given:
+        if key in accepted:
+            continue
+        if key in enable_only:
+            raise TypeError(f"{where} cannot change {key}= on an enabled model: it is set by specfit.enable. Call "
+                            f"specfit.disable(model), then specfit.enable(model, {key}=..., ...) again")
+        parameters = inspect.signature(named).parameters.values() if named is not None else ()
+        takes = sorted({*accepted, *(p.name for p in parameters if p.kind in (p.KEYWORD_ONLY,
+                                                                              p.POSITIONAL_OR_KEYWORD))} - {"model"})
+        close = difflib.get_close_matches(key, takes, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else "."
+        raise TypeError(f"{where} got an unexpected keyword argument {key!r}{hint} It takes: {', '.join(takes)}")
+
+
+def _decoding_options(kwargs) -> DecodingOptions:
+    """The decoding options among ``kwargs``, checked (values too) before any work."""
+    return DecodingOptions(**{k: v for k, v in kwargs.items() if k in OPTION_NAMES})
+
+
+def _check_slots(cache_slots, num_experts: int | None = None) -> None:
+    """``cache_slots``: an integer in 1..num_experts (only its type when the number of experts is not known yet)."""
+    span = "1..number of experts per layer" if num_experts is None else f"1..{num_experts}"
+    if cache_slots is None:
+        raise ValueError(f"cache_slots is required: expert slots per MoE layer on the device, {span}")
+    if isinstance(cache_slots, bool) or not isinstance(cache_slots, int) or \
+            (num_experts is not None and not 1 <= cache_slots <= num_experts):
+        raise ValueError(f"cache_slots must be an integer in {span}" +
+                         (" (the model's experts per layer)" if num_experts is not None else "") +
+                         f", got {cache_slots!r}")
+
+
+def _link_config(link) -> LinkConfig | None:
+    """A ``LinkConfig`` from seconds per expert copy (finite, >= 0: checked by LinkConfig), or as given."""
+    if isinstance(link, (int, float)) and not isinstance(link, bool):
+        return LinkConfig(seconds_per_expert=float(link))
+    if link is not None and not isinstance(link, LinkConfig):
+        raise ValueError(f"link must be a LinkConfig or seconds per expert copy (a float), got {link!r}")
+    return link
+
+
+def _check_link_device(link, device: torch.device) -> None:
+    if link is not None and device.type == "cuda":
+        raise ValueError("link= emulates a host link for CPU studies; on CUDA the copies are real: leave it unset")
+
+
+def _device_of_map(device_map, device):
+    """``from_pretrained``'s ``device_map`` as the one device for the weights that are not routed experts."""
+    if device_map is None:
+        return device
+    targets = set(map(str, device_map.values())) if isinstance(device_map, dict) else {str(device_map)}
+    reason = None
+    if len(targets) != 1:
+        reason = f"it spreads the model over {sorted(targets)}"
+    elif targets & {"disk", "meta"}:
+        reason = "it offloads weights to disk"
+    elif targets & {"balanced", "balanced_low_0", "sequential"}:
+        reason = "it spreads the model over several GPUs"
+    if reason is not None:
+        raise ValueError(f"device_map={device_map!r}: {reason}. SpecFit places the model itself: the routed experts "
+                         f"in host memory with a slot cache on the device, every other weight on one device. Pass "
+                         f"device_map='auto' or device=... (default: CUDA when available, else CPU)")
+    target = targets.pop()
+    chosen = None if target == "auto" else torch.device(int(target) if target.isdigit() else target)
+    if device is not None and chosen is not None and torch.device(device) != chosen:
+        raise ValueError(f"device={device!r} and device_map={device_map!r} disagree; pass one of them")
+    return device if chosen is None else chosen
+
+
+def _check_weights_in_memory(model) -> None:
+    """enable moves the experts out of the model's own tensors: each must hold its values (not meta, as weights of
+    a model loaded with disk or CPU offload are, or of one built without weights)."""
+    meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
+        mapped = getattr(model, "hf_device_map", None)
+        how = f" (hf_device_map places modules on {sorted(set(map(str, mapped.values())))})" if mapped else ""
+        raise ValueError(f"{len(meta)} of the model's weights hold no values (meta tensors: {shown}){how}: SpecFit "
+                         f"needs every weight in memory to move the experts to its host store. Load the model without "
+                         f"disk or CPU offload (no device_map, or device_map='cpu'), or stream the checkpoint with "
+                         f"specfit.from_pretrained(path, cache_slots=...)")
 
 
 # --- decoding parts -------------------------------------------------------------------------------------------
@@ -182,6 +302,8 @@ def _check_options(model, options: DecodingOptions) -> None:
         choose_route_source(model, options.route_source)  # "auto" with nothing deployable fails here, not later
     if runtime.cost_model is not None:
         runtime.cost_model = checked_cost_model(model, runtime.cost_model)
+    if runtime.drafter is not None or options.cost != "paper":
+        check_profile_options(model, options)  # cost="cache-aware", max_nodes: against the profile SpecFit will use
 
 
 def set_drafter(model, drafter) -> None:
@@ -213,8 +335,12 @@ def detach_decoding(model) -> None:
 
 def configure(model, cost_model=None, **options) -> DecodingOptions:
     """Change decoding options on an enabled model, e.g. ``configure(model, max_nodes=5)``; ``cost_model=`` (a
-    ``CostModel`` or a profile path) replaces the cost model. Everything is checked before anything changes."""
-    runtime = model.specfit
+    ``CostModel`` or a profile path) replaces the cost model. Everything is checked before anything changes. What
+    ``enable`` set up (``cache_slots``, ``cache_mode``, ``link``, ``drafter``, ...) needs ``disable`` + ``enable``."""
+    runtime = getattr(model, "specfit", None)
+    if runtime is None:
+        raise RuntimeError("SpecFit is not enabled on this model: specfit.enable(model, cache_slots=..., ...) first")
+    _check_keywords(options, OPTION_NAMES, "specfit.configure", named=configure, enable_only=ENABLE_ONLY)
     new_options = replace(runtime.options, **options)
     previous = runtime.options, runtime.cost_model
     runtime.options = new_options

@@ -1,9 +1,10 @@
 """The one file that touches transformers internals.
 
 Everything here relies on details of transformers 5.x that are not public API: the experts-implementation registry
-and ``config._experts_implementation``, the layout of Qwen3-MoE decoder layers, and the tensors inside cache layers.
-(The private ``_sample`` method that ``generate()`` dispatches to is named in ``decoding/strategy.py``, the one class
-that overrides it.) When transformers moves, this file moves. It is the bottom layer: it imports nothing of SpecFit's.
+and ``config._experts_implementation``, the layout of Qwen3-MoE decoder layers, the tensors inside cache layers, and
+how ``generate()`` builds a call's generation config. (The private ``_sample`` method that ``generate()`` dispatches
+to is named in ``decoding/strategy.py``, the one class that overrides it.) When transformers moves, this file moves.
+It is the bottom layer: it imports nothing of SpecFit's.
 """
 
 from __future__ import annotations
@@ -572,6 +573,16 @@ def check_attention(model) -> None:
             f"attn_implementation='eager' ({type(model).__name__} does not support sdpa)"
         raise ValueError(f"tree verification needs attn_implementation 'sdpa' or 'eager' (a 4-D additive mask), the "
                          f"model uses {impl!r}; load it with {load}")
+
+
+# --- generate() -----------------------------------------------------------------------------------------------
+def call_generation_config(model, generation_config, **kwargs):
+    """The generation config one ``generate()`` call runs with, built as transformers builds it (its private
+    ``_prepare_generation_config``): ``generation_config`` (or a default one) over the model's own
+    ``generation_config``, custom entries such as ``assistant`` carried over, then the call's keyword arguments.
+    A copy: nothing of the model's changes."""
+    config, _ = model._prepare_generation_config(generation_config, **kwargs)
+    return config
 
 
 # --- Checkpoints ----------------------------------------------------------------------------------------------

@@ -7,6 +7,13 @@
   seconds riding along), replaced by every call. This is what to read after a call.
 - ``stats.total``: **the running sum** of every forward and call since ``stats.reset()`` (or since ``enable``).
 - ``stats.last_prefill`` (the last call's prompt forward) and ``stats.last_forward`` (the last target forward).
+- ``stats.last_method``: the decoding path the last call ran: ``"ar"`` (transformers' own greedy or sampling
+  decoding, no assistant); ``"specfit"``, ``"eagle3"`` or another registered assistant's name (SpecFit's loop);
+  ``"assisted"`` (``assistant_model=``, ...) or ``"prompt_lookup"`` (``prompt_lookup_num_tokens=``): transformers'
+  linear speculative decoding, other transformers modes by their ``GenerationMode`` value (``"beam_search"``, ...),
+  where SpecFit sees only the target's forwards (expert counters, ``new_tokens`` and the times are the call's;
+  ``cycles`` and ``tokens_committed`` stay 0); ``None``: no call yet, or the last one failed or was refused (its
+  figures are then all zero). Every ``generate()`` on an enabled model clears the previous call's figures first.
 
 In a notebook ``stats`` shows as a table of both (``_repr_html_``), and ``repr`` gives the same figures rounded on two
 labelled lines. ``stats.start_trace()`` records one ``CycleRecord`` per decoding cycle from then on, exportable as
@@ -284,11 +291,12 @@ class Stats:
     # set by the runtime on a device with queued work (CUDA): waits for all of it and counts the copies' time; a
     # generate() scope calls it before it reads the clock or the counters, so no queued work is missed or misplaced
     settle: Callable[[], None] | None = field(default=None, repr=False)
+    last_method: str | None = None  # the decoding path of the last generate() call (see the module docstring)
 
     def reset(self) -> None:
         """Zero ``total`` and the ``last_*`` spans (a running trace is kept)."""
         self.total, self.last_forward = Counters(), Counters()
-        self.last_prefill, self.last_generate = Counters(), Counters()
+        self.last_prefill, self.last_generate, self.last_method = Counters(), Counters(), None
 
     def start_trace(self) -> "Trace":
         """Record one ``CycleRecord`` per decoding cycle from now on (an earlier trace is dropped); returns the
@@ -297,8 +305,10 @@ class Stats:
         return self.trace
 
     def generate_called(self) -> None:
-        """Start the clock of a ``generate()`` call (its preparation counts as prefill time)."""
+        """Start the clock of a ``generate()`` call (its preparation counts as prefill time) and clear the previous
+        call's figures, so a call that fails or takes another path never shows them as its own."""
         self.call_started = time.perf_counter()
+        self.last_prefill, self.last_generate, self.last_method = Counters(), Counters(), None
 
     def begin_generate(self) -> "GenerateScope":
         self.scope = GenerateScope(self, self.call_started)

@@ -8,10 +8,12 @@ so the output equals plain ``generate()`` (greedy: token for token; sampling: in
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from .. import seam
 from ..drafting.tree import verify_layout
@@ -19,7 +21,28 @@ from ..transfer import to_host
 from ..selection.route_sources import Cycle
 from .acceptance import walk, walk_greedy
 
-UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False}
+UNSUPPORTED = {"num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False}
+# generation-config fields that make transformers run another method than greedy/sampling, with their neutral values
+OTHER_METHODS = {"prompt_lookup_num_tokens": None, "assistant_early_exit": None, "use_mtp": False, "num_beams": 1,
+                 "num_beam_groups": 1, "penalty_alpha": None, "constraints": None, "force_words_ids": None,
+                 "dola_layers": None}
+_GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
+_GENERATE_PARAMETERS = tuple(_GENERATE_SIGNATURE.parameters)  # self, inputs, generation_config, ..., kwargs
+SAMPLE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+def generate_arguments(args, kwargs) -> dict:
+    """``generate()``'s arguments by name, positional ones included (``inputs``, ``generation_config``, ...)."""
+    named = dict(_GENERATE_SIGNATURE.bind_partial(None, *args, **kwargs).arguments)
+    named.pop("self", None)
+    named.update(named.pop("kwargs", {}))
+    return named
+
+
+def call_config(model, named: dict):
+    """The generation config the call with arguments ``named`` runs with (``generate_arguments``)."""
+    return seam.call_generation_config(model, named.get("generation_config"),
+                                       **{k: v for k, v in named.items() if k not in _GENERATE_PARAMETERS})
 
 
 def check_generate_arguments(model, args, kwargs) -> None:
@@ -28,22 +51,58 @@ def check_generate_arguments(model, args, kwargs) -> None:
         raise RuntimeError("assistant=... needs SpecFit: call specfit.enable(model, cache_slots=..., drafter=...)")
     if model.specfit.drafter is None:
         raise ValueError("assistant=... needs a drafter: specfit.enable(model, ..., drafter=PATH_OR_MODULE)")
-    if kwargs.get("assistant_model") is not None:
+    named = generate_arguments(args, kwargs)
+    if named.get("assistant_model") is not None:
         raise ValueError("pass either assistant= (SpecFit tree decoding) or assistant_model= (transformers), not both")
-    config = kwargs.get("generation_config") or model.generation_config
+    if named.get("custom_generate") is not None:
+        raise ValueError("pass either assistant= (SpecFit's loop inside generate()) or custom_generate= (a loop of "
+                         "your own), not both")
+    config = call_config(model, named)
+    chosen = {name: getattr(config, name) for name, neutral in OTHER_METHODS.items()
+              if getattr(config, name, neutral) not in (None, neutral)}
+    if chosen or config.get_generation_mode() not in SAMPLE_MODES:
+        shown = ", ".join(f"{k}={v!r}" for k, v in chosen.items()) or "these generate() arguments"
+        one = len(chosen) == 1
+        method = config.get_generation_mode(named.get("assistant_model")).value.replace("_", " ")
+        raise ValueError(f"assistant=... needs greedy or sampling decoding, but {shown} "
+                         f"{'selects' if one else 'select'} transformers' {method}: drop assistant= to run that "
+                         f"method, or drop {'it' if one else 'them'} to decode with the assistant")
     for name, allowed in UNSUPPORTED.items():
-        value = kwargs.get(name, getattr(config, name, None))
+        value = getattr(config, name, None)
         if value not in (None, allowed):
             raise ValueError(f"assistant decoding does not support {name}={value!r} (only {allowed!r})")
-    if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
+    if config.use_cache is False:
         raise ValueError("assistant decoding verifies trees against the KV cache: use_cache=False is not supported")
     for name in ("inputs_embeds", "prefill_chunk_size"):
-        if kwargs.get(name, getattr(config, name, None)) is not None:
+        if named.get(name, getattr(config, name, None)) is not None:
             raise ValueError(f"assistant decoding does not support {name}= (pass input_ids; prefill in one piece)")
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = named.get("cache", named.get("past_key_values"))
     if cache is not None:
         seam.check_cache(cache)
     seam.check_attention(model)
+    ids = named.get("inputs") if named.get("inputs") is not None else named.get("input_ids")
+    if isinstance(ids, torch.Tensor):
+        check_input_ids(model, ids)
+
+
+def check_input_ids(model, ids: torch.Tensor) -> None:
+    """Token ids the model can embed, before its first forward: non-empty, integers inside the vocabulary (on CUDA
+    an id outside it is a device-side assert that ends the process). One small reduction per call."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
+    if ids.numel() == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(ids.shape)}): give the prompt at least one token, e.g. "
+                         f"the tokenizer's BOS token")
+    if ids.dim() == 2 and ids.shape[0] != 1:
+        raise ValueError(f"assistant decoding runs one sequence at a time (batch size 1), got a batch of "
+                         f"{ids.shape[0]}; loop over the prompts, or use generate() without assistant= for batches")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0 or high >= vocab:
+        where = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
+        raise ValueError(f"input_ids holds token id {int(ids[tuple(where)])} at position {tuple(where)}, outside "
+                         f"this model's vocabulary 0..{vocab - 1}: was the prompt tokenized with this model's "
+                         f"tokenizer?")
 
 
 @torch.no_grad()

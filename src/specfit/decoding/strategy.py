@@ -3,35 +3,67 @@
 transformers runs all of its usual preparation (generation config, logits processors, stopping criteria incl. stop
 strings, cache, streamer) and then calls its private ``_sample`` for greedy and sampling modes; the mixin below takes
 over there. It is mixed into the model's class by ``enable`` and taken out by ``disable``.
+
+The assistant is a generation setting like any other: the ``assistant=`` keyword, else ``generation_config.assistant``
+of the config passed to ``generate()``, else ``model.generation_config.assistant``. Every call, whichever path runs,
+leaves its own figures in ``model.specfit.stats`` (``last_generate``, ``last_method``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import seam
 from .assistants import resolve_assistant
-from .loop import check_generate_arguments, decode
+from .loop import SAMPLE_MODES, call_config, check_generate_arguments, decode, generate_arguments
+
+_UNSET = object()  # assistant= not passed: the generation config decides (an explicit None means no assistant)
 
 
 class SpecFitGenerationMixin:
     """Mixed into the model's class by ``enable``: ``generate(..., assistant=NAME)`` runs SpecFit's tree decoding
-    loop with the named assistant; without ``assistant`` it is transformers' own ``generate()``."""
+    loop with the named assistant; without an assistant it is transformers' own ``generate()``."""
 
-    def generate(self, *args, assistant: str | None = None, **kwargs):
-        self.specfit.stats.generate_called()  # the stopwatch of the call starts here, before any preparation
-        if assistant is None:
-            return super().generate(*args, **kwargs)
-        spec = resolve_assistant(assistant)
-        check_generate_arguments(self, args, kwargs)
+    def generate(self, *args, assistant=_UNSET, **kwargs):
         runtime = self.specfit
+        runtime.stats.generate_called()  # the stopwatch starts here, before any preparation; old figures cleared
+        named = generate_arguments(args, kwargs)
+        if isinstance(named.get("assistant_model"), str):
+            raise ValueError(f"assistant_model= takes a draft model (transformers' assisted decoding), got the string "
+                             f"{named['assistant_model']!r}; for SpecFit's tree decoding pass "
+                             f"assistant={named['assistant_model']!r}")
+        name = requested_assistant(self, assistant, named)
+        if name is None:
+            return self._plain_generate(named, args, kwargs)
+        spec = resolve_assistant(name)
+        check_generate_arguments(self, args, kwargs)
         runtime.request, runtime.request_served = spec, False
         try:
             out = super().generate(*args, **kwargs)
         finally:
             runtime.request = None
         if not runtime.request_served:  # generate() chose another decoding method than greedy/sampling
-            raise ValueError(f"assistant={assistant!r} needs greedy or sampling decoding, but these generate() "
+            raise ValueError(f"assistant={name!r} needs greedy or sampling decoding, but these generate() "
                              f"arguments selected another mode (beam search, prompt lookup, assistant_model, ...)")
+        runtime.stats.last_method = name if isinstance(name, str) else getattr(name, "__name__", type(name).__name__)
+        return out
+
+    def _plain_generate(self, named: dict, args, kwargs):
+        """transformers' own generate(), accounted as one call whichever method it runs (``_sample`` accounts greedy
+        and sampling itself; the scope opened here covers the others)."""
+        stats = self.specfit.stats
+        scope = stats.begin_generate()
+        try:
+            out = super().generate(*args, **kwargs)
+        except BaseException:
+            stats.scope = None
+            raise
+        if stats.scope is scope:  # _sample did not run: assisted decoding, prompt lookup, beam search, ...
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            ids = named.get("inputs") if named.get("inputs") is not None else named.get("input_ids")
+            prompt = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
+            scope.end(new_tokens=(sequences.shape[1] - prompt) * sequences.shape[0])
+            stats.last_method = transformers_method(self, named)
         return out
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -41,13 +73,50 @@ class SpecFitGenerationMixin:
             runtime.request_served = True
             return decode(self, runtime.request, input_ids, logits_processor, stopping_criteria, generation_config,
                           streamer=streamer, **model_kwargs)
-        scope = runtime.stats.begin_generate() if runtime is not None else None
+        scope = None if runtime is None else runtime.stats.scope or runtime.stats.begin_generate()
         out = super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                               synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
         if scope is not None:
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
             scope.end(new_tokens=(sequences.shape[1] - input_ids.shape[1]) * sequences.shape[0], autoregressive=True)
+            runtime.stats.last_method = "ar"
         return out
+
+    def set_experts_implementation(self, experts_implementation):
+        """While SpecFit is enabled the experts live in its host store and only its experts implementation can run
+        them: refuse any other, before anything changes."""
+        runtime = getattr(self, "specfit", None)
+        if runtime is not None and experts_implementation != seam.EXPERTS_IMPL:
+            raise ValueError(f"set_experts_implementation({experts_implementation!r}): SpecFit is enabled on this "
+                             f"model, its experts live in host memory and run only through the "
+                             f"{seam.EXPERTS_IMPL!r} experts implementation. Call specfit.disable(model) first (it "
+                             f"restores the experts as parameters), then set the implementation")
+        return super().set_experts_implementation(experts_implementation)
+
+
+def requested_assistant(model, assistant, named: dict):
+    """The ``assistant=`` keyword when given (None: no assistant), else ``assistant`` of the generation config
+    passed, else of ``model.generation_config`` (transformers carries custom entries of the model's config over)."""
+    if assistant is not _UNSET:
+        return assistant
+    for config in (named.get("generation_config"), model.generation_config):
+        value = getattr(config, "assistant", None)
+        if value is not None:
+            return value
+    return None
+
+
+def transformers_method(model, named: dict) -> str:
+    """Which of transformers' decoding methods a call with arguments ``named`` ran (see ``Stats.last_method``)."""
+    if named.get("custom_generate") is not None:
+        return "custom_generate"
+    config = call_config(model, named)
+    mode = config.get_generation_mode(named.get("assistant_model"))
+    if mode in SAMPLE_MODES:
+        return "ar"
+    if mode.value == "assisted_generation":
+        return "prompt_lookup" if config.prompt_lookup_num_tokens is not None else "assisted"
+    return str(mode.value)
 
 
 def install_generation_strategy(model) -> type:

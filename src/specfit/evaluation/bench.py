@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,17 +28,24 @@ MAX_PROMPT_TOKENS = 450
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--workloads", nargs="+", default=["cnn", "gsm8k"], choices=["cnn", "gsm8k"])
-    p.add_argument("--cnn-prompts", type=int, default=40)
-    p.add_argument("--gsm8k-prompts", type=int, default=80)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--slots", nargs="+", default=list(SLOTS), help="slots per layer of 64, or 'none' (no cache)")
-    p.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
-    p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
-                   help="rows (default: the paper's four, SpecFit with its default deployable routes, plus SpecFit "
-                        "with exact routes from the oracle, the paper's measurement device)")
+    p.add_argument("--workloads", nargs="+", default=["cnn", "gsm8k"], choices=["cnn", "gsm8k"],
+                   help="CNN/DailyMail summarisation and GSM8K questions (test sets)")
+    p.add_argument("--cnn-prompts", type=int, default=40, help="CNN/DailyMail articles (the paper: the first 40)")
+    p.add_argument("--gsm8k-prompts", type=int, default=80, help="GSM8K questions (the paper: the first 80)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--slots", nargs="+", default=list(SLOTS),
+                   help="expert slots per layer of the embedded model's 64, or 'none' (no cache: every slot emptied "
+                        "before each forward); 24 / 12 / 6 are the paper's 48 / 24 / 12 of 128")
+    p.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES),
+                   help="no-link: copies cost only the memcpy (SpecFit's overhead shows); emulated: every expert copy "
+                        "takes --link-ms, standing in for a GPU's host link")
+    p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), metavar="METHOD",
+                   help=f"rows, of: {', '.join(METHODS)} (default: the paper's four, SpecFit with its default "
+                        f"deployable routes, plus SpecFit with exact routes from the oracle, the paper's measurement "
+                        f"device)")
     p.add_argument("--link-ms", type=float, default=EMBEDDED_LINK_S * 1e3,
-                   help="emulated link: ms per expert copy (default chosen for ~1.4x compute per token)")
+                   help="emulated link: ms per expert copy, chosen so that a token's expert copies take ~1.4x its compute, as on "
+                        "the paper's A100")
     p.add_argument("--out", default="bench-results", help="folder for results.json and tok_s_vs_slots.png")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--quick", action="store_true", help="4 prompts per workload, 32 new tokens (a smoke run)")
@@ -57,13 +65,17 @@ def main(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     regimes = {r: (args.link_ms / 1e3 if r == "emulated" else None) for r in args.regimes}
 
-    # the prompts, tokenized once
+    # the prompts first: without them there is nothing to measure, so say where to get them before loading anything
+    try:
+        texts = {w: datasets.prompts(w, args.cnn_prompts if w == "cnn" else args.gsm8k_prompts, max_chars=1800)
+                 for w in args.workloads}
+    except datasets.DataUnavailable as err:
+        print(f"specfit bench: the benchmark prompts are not available: {err}\n`specfit demo` runs without them, "
+              f"on built-in prompts.", file=sys.stderr)
+        return 2
     _, tokenizer = load_instances(["ar"], 1, None)
-    workloads = {}
-    for w in args.workloads:
-        n = args.cnn_prompts if w == "cnn" else args.gsm8k_prompts
-        workloads[w] = [tokenizer(t, return_tensors="pt").input_ids[:, -MAX_PROMPT_TOKENS:]
-                        for t in datasets.prompts(w, n, max_chars=1800)]
+    workloads = {w: [tokenizer(t, return_tensors="pt").input_ids[:, -MAX_PROMPT_TOKENS:] for t in prompts]
+                 for w, prompts in texts.items()}
     ratio = _link_ratio(args.link_ms / 1e3)
     print(f"emulated link: {args.link_ms:.3f} ms per expert copy; one token's full expert demand costs "
           f"{ratio:.2f}x one token's compute on this machine (target ~1.4x, as on the paper's A100)")
@@ -74,10 +86,8 @@ def main(args) -> int:
         for regime, link_s in regimes.items():
             for slots in args.slots:
                 n_slots = None if slots == "none" else int(slots)
-                instances, _ = load_instances(args.methods, n_slots, link_s)
-                for name, model in instances.items():
-                    if METHODS[name].assistant == "specfit":
-                        _ensure_profile(model, tokenizer)
+                instances, _ = load_instances(args.methods, n_slots, link_s, prepare=lambda model, method: (
+                    _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
                 for w, prompts in workloads.items():
                     totals, _ = run_side_by_side(instances, prompts, args.max_new_tokens,
                                                  on_prompt=lambda i: bar.update(1))

@@ -271,25 +271,29 @@ def _level_seconds(per_config: list[list[list[float]]]) -> tuple[float, ...]:
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the embedded model)")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the embedded drafter)")
-    p.add_argument("--slots", type=int, required=True, help="expert slots per MoE layer on the device")
-    p.add_argument("--cache-mode", choices=("cached", "cleared"), default="cached")
+    p.add_argument("--slots", type=int, default=None,
+                   help="expert slots per MoE layer on the device (default: 3/8 of the model's experts per layer, "
+                        "the paper's 48 of 128: 24 for the embedded model's 64)")
+    p.add_argument("--cache-mode", choices=("cached", "cleared"), default="cached",
+                   help="'cached': slots keep experts across forwards (LRU); 'cleared': emptied before every forward")
     p.add_argument("--prompts", default=PROBES["prompts"],
                    help="gsm8k (default, as in the paper), cnn, random (token ids; for checkpoints without a "
                         "tokenizer), or a local .jsonl with a 'question' or 'text' field")
-    p.add_argument("--num-prompts", type=int, default=PROBES["num_prompts"])
+    p.add_argument("--num-prompts", type=int, default=PROBES["num_prompts"], help="prompts the probes decode")
     p.add_argument("--probes", type=int, default=PROBES["probes"],
-                   help=f"probe configurations (cycles) to fit on (default {PROBES['probes']})")
+                   help="probe configurations (cycles) to fit on")
     p.add_argument("--repeats", type=int, default=PROBES["repeats"],
-                   help=f"timed repeats of each configuration; its fastest is fitted (default {PROBES['repeats']})")
+                   help="timed repeats of each configuration; its fastest is fitted")
     p.add_argument("--bootstrap", type=int, default=PROBES["bootstrap"], help="bootstrap refits for the intervals")
-    p.add_argument("--max-new-tokens", type=int, default=PROBES["max_new_tokens"])
+    p.add_argument("--max-new-tokens", type=int, default=PROBES["max_new_tokens"],
+                   help="tokens generated per prompt (each cycle is a probe)")
     p.add_argument("--link-ms", type=float, default=None, help="emulated host link: milliseconds per expert copy")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on a CPU device: 1, as `specfit bench` and `demo` use; more "
                         "threads fight other jobs for the cores and make the timer noisy)")
-    p.add_argument("--seed", type=int, default=PROBES["seed"])
+    p.add_argument("--seed", type=int, default=PROBES["seed"], help="seed for the probe schedule and bootstrap")
     p.add_argument("--out", default=None, help="profile path (default: the user cache, where enable() looks)")
     p.add_argument("--force", action="store_true",
                    help="install the profile even when the fit fails the quality gate (enable() will warn)")
@@ -433,13 +437,32 @@ def plot_fit(result: Calibration, path) -> None:
     print(READ_THE_PLOT)
 
 
+SLOT_SHARE = 48 / 128  # --slots by default: the paper's headline setting, 48 of Qwen3-30B-A3B's 128 experts per layer
+
+
+def default_slots(config) -> int:
+    """``SLOT_SHARE`` of the model's experts per layer (at least 1), read from its config."""
+    text = config.get_text_config(decoder=True)
+    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        n = getattr(text, name, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return max(1, round(n * SLOT_SHARE))
+    raise ValueError("cannot tell the model's experts per layer from its config; pass --slots N")
+
+
 def _load(args):
+    from transformers import AutoConfig
+
+    from .. import embedded
     from ..offload.link import LinkConfig
 
+    if args.slots is None:
+        args.slots = default_slots(AutoConfig.from_pretrained(args.model or embedded.TARGET_DIR))
+        print(f"--slots not given: {args.slots} slots per MoE layer (3/8 of the model's experts, as the paper's 48 of "
+              f"128)", flush=True)
     link = LinkConfig(seconds_per_expert=args.link_ms / 1e3) if args.link_ms else None
     kw = dict(cache_mode=args.cache_mode, link=link)
     if args.model is None:
-        from .. import embedded
 
         model, tokenizer = embedded.load(args.slots, **kw)
         if args.drafter:

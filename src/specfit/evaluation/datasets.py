@@ -3,13 +3,14 @@
 The local folder is found, in order, at ``$SPECFIT_DATA_DIR``, ``./shared/data``, ``../shared/data`` (seen from the
 working directory) and ``../shared/data`` seen from the repository root. It holds ``gsm8k/{train,test}.jsonl``,
 ``cnn_dailymail/test.jsonl`` and ``openstax/train.jsonl`` (see that folder's README for sources and licenses).
+The hub is asked through the ``datasets`` library, which keeps its own cache and obeys ``HF_HUB_OFFLINE`` /
+``HF_DATASETS_OFFLINE`` (offline, a dataset already in its cache still loads).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +37,18 @@ def data_dir() -> Path | None:
     return None
 
 
+WHERE_TO_GET = ("Get the data one of two ways: (1) a local folder holding gsm8k/test.jsonl and gsm8k/train.jsonl "
+                "(one JSON object per line with 'question' and 'answer') and cnn_dailymail/test.jsonl ('article' and "
+                "'highlights'), named by SPECFIT_DATA_DIR=/path/to/folder; or (2) the Hugging Face hub, which SpecFit "
+                "reads through the `datasets` library (openai/gsm8k 'main', abisee/cnn_dailymail '3.0.0'): needs the "
+                "network once, with HF_HUB_OFFLINE and HF_DATASETS_OFFLINE unset; later runs read the datasets cache (set "
+                "HF_HUB_OFFLINE=1 to read it without the network).")
+
+
 def _read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
+    if not path.is_file():
+        raise DataUnavailable(f"the data folder {path.parents[1]} has no {path.parent.name}/{path.name}. "
+                              f"{WHERE_TO_GET}")
     rows = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -47,33 +59,22 @@ def _read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
     return rows
 
 
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub can be asked at all (offline mode, or no route to it, says no at once instead of
-    after the datasets library's retries)."""
-    offline = [os.environ.get(name, "0") for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")]
-    if any(value not in ("0", "") for value in offline):
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def _from_hub(name: str, config: str | None, split: str, limit: int | None) -> list[dict]:
-    if not hub_reachable():
-        raise DataUnavailable(f"no local data folder (set SPECFIT_DATA_DIR or place it at ../shared/data) and the "
-                              f"Hugging Face hub is not reachable (offline), so {name!r} cannot be loaded")
+    """Rows of a hub dataset through ``datasets.load_dataset`` (its cache, the network unless offline). Online, one
+    request through huggingface_hub first (its endpoint, proxies and token), so an unreachable hub is reported at
+    once instead of after the download retries."""
     try:
-        from datasets import load_dataset
+        import datasets
+        from huggingface_hub import HfApi
 
+        if not datasets.config.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, as datasets reads them
+            HfApi().dataset_info(name, timeout=10)
         spec = split if limit is None else f"{split}[:{limit}]"
-        return [dict(r) for r in load_dataset(name, config, split=spec)]
-    except Exception as err:  # offline, no credentials, hub down: say what was tried
-        raise DataUnavailable(
-            f"no local data folder (set SPECFIT_DATA_DIR or place it at ../shared/data) and the hub dataset "
-            f"{name!r} could not be loaded: {type(err).__name__}: {err}"
-        ) from err
+        return [dict(r) for r in datasets.load_dataset(name, config, split=spec)]
+    except Exception as err:  # offline and not cached, no network, hub down: say what was tried and what to do
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise DataUnavailable(f"no local data folder, and the hub dataset {name!r} could not be loaded "
+                              f"({type(err).__name__}: {first}). {WHERE_TO_GET}") from err
 
 
 def gsm8k(split: str = "test", limit: int | None = None) -> list[dict]:

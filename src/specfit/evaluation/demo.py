@@ -32,10 +32,10 @@ FALLBACK = {
 
 def add_arguments(p) -> None:
     p.add_argument("--prompts", type=int, default=2, help="prompts per workload (GSM8K and CNN/DailyMail)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--slots", type=int, default=24, help="expert slots per layer of 64 (24 = the paper's 48/128)")
     p.add_argument("--link-ms", type=float, default=EMBEDDED_LINK_S * 1e3, help="emulated ms per expert copy")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
 
 
 def main(args) -> int:

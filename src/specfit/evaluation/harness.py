@@ -86,20 +86,26 @@ class Row:
         return asdict(self)
 
 
-def load_instances(methods, slots: int | None, link_s: float | None) -> tuple[dict, object]:
-    """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared)."""
+def load_instances(methods, slots: int | None, link_s: float | None, prepare=None) -> tuple[dict, object]:
+    """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared). ``prepare(model,
+    method)`` runs before the method's decoding options are set (``specfit bench`` calibrates a missing cost
+    profile there: ``cost="cache-aware"`` is refused without one)."""
     from transformers import AutoConfig
 
     from .. import embedded
     from ..offload.link import LinkConfig
+    from ..patch import configure
 
     out = {}
     for name in methods:
         method = METHODS[name]
         n = slots if slots is not None else AutoConfig.from_pretrained(embedded.TARGET_DIR).num_experts
         model, tokenizer = embedded.load(n, cache_mode="cleared" if method.cleared or slots is None else "cached",
-                                         link=LinkConfig(seconds_per_expert=link_s) if link_s else None,
-                                         **dict(method.options))
+                                         link=LinkConfig(seconds_per_expert=link_s) if link_s else None)
+        if prepare is not None:
+            prepare(model, method)
+        if method.options:
+            configure(model, **dict(method.options))
         out[name] = model
     return out, tokenizer
 

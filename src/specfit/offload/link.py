@@ -8,6 +8,7 @@ the meantime, with no thread. Every figure obtained with it is labelled *emulate
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -25,12 +26,14 @@ class LinkConfig:
     def __post_init__(self):
         if (self.seconds_per_expert is None) == (self.bandwidth is None):
             raise ValueError("LinkConfig needs exactly one of seconds_per_expert or bandwidth")
-        if self.seconds_per_expert is not None and not self.seconds_per_expert >= 0:
-            raise ValueError(f"seconds_per_expert must be >= 0, got {self.seconds_per_expert}")
-        if self.bandwidth is not None and not self.bandwidth > 0:
-            raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth}")
-        if not self.latency >= 0:
-            raise ValueError(f"latency must be >= 0, got {self.latency}")
+        # finite, or the first copy's landing time overflows the clock (a free link is seconds_per_expert=0)
+        if self.seconds_per_expert is not None and not _finite(self.seconds_per_expert, 0.0):
+            raise ValueError(f"link: seconds per expert copy must be a finite number >= 0 (0: a free link), got "
+                             f"{self.seconds_per_expert!r}")
+        if self.bandwidth is not None and not (_finite(self.bandwidth, 0.0) and self.bandwidth > 0):
+            raise ValueError(f"link: bandwidth must be a finite number > 0 bytes/s, got {self.bandwidth!r}")
+        if not _finite(self.latency, 0.0):
+            raise ValueError(f"link: latency must be a finite number >= 0 seconds, got {self.latency!r}")
 
     def copy_time(self, nbytes: int) -> float:
         if self.seconds_per_expert is not None:
@@ -42,6 +45,10 @@ class LinkConfig:
         if self.seconds_per_expert is not None:
             return f"emulated link, {self.seconds_per_expert * 1e3:.3g} ms per expert copy"
         return f"emulated link, {self.bandwidth / 1e9:.3g} GB/s + {self.latency * 1e6:.3g} us per copy"
+
+
+def _finite(value, low: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= low
 
 
 def sleep_until(t: float) -> None:

@@ -34,13 +34,21 @@ _PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "input_linear": 
 _QUANTIZED_SUFFIXES = ("_blocks", "_scales", "weight_scale_inv", ".qweight", ".scales")
 
 
-def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local folder as is; otherwise a hub repo id, downloaded (config, tokenizer and safetensors only)."""
+def _local_folder(path_or_id) -> Path | None:
+    """The checkpoint folder when ``path_or_id`` names one on disk; None for a hub repo id."""
     path = Path(path_or_id)
     if path.is_dir():
         return path
     if path.exists():
         raise ValueError(f"{path} is a file; pass the checkpoint folder (with config.json and *.safetensors)")
+    return None
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a hub repo id, downloaded (config, tokenizer and safetensors only)."""
+    path = _local_folder(path_or_id)
+    if path is not None:
+        return path
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(str(path_or_id), revision=revision,
@@ -59,14 +67,18 @@ def shard_files(folder: Path) -> list[Path]:
 
 
 def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None, revision: str | None = None,
-                   pin: bool | str = "auto") -> tuple[torch.nn.Module, ExpertStore, torch.device]:
+                   pin: bool | str = "auto", check=None) -> tuple[torch.nn.Module, ExpertStore, torch.device]:
     """Stream a checkpoint: routed experts into a new ``ExpertStore``, everything else onto ``device``; returns
-    ``(model, store, device)``, the model without expert parameters, ready for ``enable(..., store=store)``."""
-    folder = resolve_checkpoint(path_or_id, revision)
-    config = AutoConfig.from_pretrained(folder)
+    ``(model, store, device)``, the model without expert parameters, ready for ``enable(..., store=store)``.
+
+    ``check(model)``, if given, sees the model built from ``config.json`` alone (weights on the meta device) before
+    any weight is read or downloaded and the host arenas are allocated: settings that depend on the model (slots
+    against its experts) fail in seconds, not after the whole checkpoint has streamed."""
+    local = _local_folder(path_or_id)
+    config = AutoConfig.from_pretrained(local if local is not None else str(path_or_id), revision=revision)
     quantized = seam.quantization_method(config)
     if quantized is not None:
-        raise ValueError(f"{folder}: the checkpoint is quantized ({quantized!r}, e.g. GPT-OSS's MXFP4 experts); "
+        raise ValueError(f"{path_or_id}: the checkpoint is quantized ({quantized!r}, e.g. GPT-OSS's MXFP4 experts); "
                          f"SpecFit's streaming loader reads unquantized (bf16/fp16/fp32) checkpoints only. Use a bf16 "
                          f"release, or load with transformers (dequantising) and call specfit.enable(model, ...)")
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
@@ -76,6 +88,9 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     layers = seam.moe_layers(model)
+    if check is not None:
+        check(model)
+    folder = resolve_checkpoint(path_or_id, revision)
     first = layers[0]
     num_experts = first.num_experts
     for moe in layers:

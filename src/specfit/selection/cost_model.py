@@ -91,6 +91,10 @@ class CostModel:
                              f"({min(intercepts)!r} s); every intercept includes the drafting of all levels")
         if not isinstance(self.meta, dict):
             raise ValueError(f"field 'meta' must be a dict, got {type(self.meta).__name__}")
+        bad = _non_finite(self.meta)
+        if bad is not None:
+            raise ValueError(f"field {bad[0]!r} is {bad[1]!r}: a profile's numbers (fit quality included) must be "
+                             f"finite, or null where a figure is undefined")
         clash = [k for k in self.meta if k in _RESERVED]
         if clash:
             raise ValueError(f"meta may not use the reserved profile field(s) {clash}")
@@ -126,6 +130,10 @@ class CostModel:
         """
         extra = self.meta.get("cache_aware")
         if not isinstance(extra, dict) or "intercepts" not in extra or "beta" not in extra:
+            if self.meta.get("cache_aware_error"):  # calibrated, but misses could not be fitted at this slot count
+                raise ValueError(f"cost='cache-aware' needs a fit on expert misses, and calibration could not fit "
+                                 f"one for this setup ({self.meta['cache_aware_error']}); misses then tell the "
+                                 f"selector nothing demand does not: use cost='paper'")
             raise ValueError("cost='cache-aware' needs a profile fitted on misses too; recalibrate with this version "
                              "of `specfit calibrate`")
         levels = extra.get("draft_level_seconds", self.draft_level_seconds)
@@ -347,10 +355,14 @@ def _unassessed(intercepts) -> dict:
 
 
 def cache_root() -> Path:
-    """SpecFit's user cache: ``$SPECFIT_CACHE``, else ``$XDG_CACHE_HOME/specfit``, else ``~/.cache/specfit``."""
+    """SpecFit's user cache: ``$SPECFIT_CACHE``, else the platform's user cache folder (``platformdirs``): on Linux
+    ``$XDG_CACHE_HOME/specfit`` or ``~/.cache/specfit``, on macOS ``~/Library/Caches/specfit``, on Windows
+    ``%LOCALAPPDATA%\\specfit\\Cache``."""
     if os.environ.get("SPECFIT_CACHE"):
         return Path(os.environ["SPECFIT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specfit"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specfit", appauthor=False))
 
 
 def profile_dir() -> Path:
@@ -385,6 +397,22 @@ def _number(value, name: str) -> float:
     if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(f"field {name!r} must be a non-negative number, got {value!r}")
     return value
+
+
+def _non_finite(value, path: str = ""):
+    """(dotted path, value) of the first NaN or infinity inside ``value`` (dicts, lists, numbers), else None."""
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        is_number = isinstance(value, (float, np.floating)) and not isinstance(value, bool)
+        return (path, float(value)) if is_number and not math.isfinite(value) else None
+    for where, item in items:
+        found = _non_finite(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 def _fill(observed: list[int], values: list[float], top: int, floor: float = 0.0) -> list[float]:

@@ -71,6 +71,47 @@ def checked_cost_model(model, cost) -> CostModel:
     return loaded
 
 
+def check_profile_options(model, options) -> None:
+    """Options that need a field of the cost profile SpecFit's selector will use, checked at ``enable``/``configure``
+    against the profile found now (``find_profile``): ``cost="cache-aware"`` needs the profile's fit on expert
+    misses, ``max_nodes`` its intercepts up to that many nodes. Without any profile the default cost model serves
+    ``cost="paper"`` (with a warning at generate), never ``"cache-aware"``."""
+    aware = options.cost == "cache-aware"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the same warnings come when generate() uses the profile
+            cost = find_profile(model)
+    except ProfileError:
+        if aware:
+            raise
+        return  # reported by generate(assistant="specfit"), the only use of a profile
+    if cost is None:
+        if aware:
+            key = profile_key(model)
+            raise ValueError(f"cost='cache-aware' needs a cost profile fitted on expert misses, and there is none for "
+                             f"device {key['device_name']!r}, model {key['model_id']!r}, {key['slots']} slots, cache "
+                             f"mode {key['cache_mode']!r}: run `specfit calibrate --slots {key['slots']}` (it fits "
+                             f"misses too), pass cost_model=PROFILE, or keep cost='paper'")
+        return
+    where = _describe(cost)
+    if aware:
+        try:
+            cost = cost.cache_aware()
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    if cost.max_nodes < options.max_nodes:
+        raise ProfileError(f"{where} predicts up to {cost.max_nodes} nodes but max_nodes is {options.max_nodes}; "
+                           f"recalibrate or lower max_nodes")
+
+
+def _describe(cost: CostModel) -> str:
+    m = cost.meta
+    if "slots" not in m:
+        return "the cost model given"
+    return (f"the cost profile for {m.get('model_id')!r}, {m.get('slots')} slots, {m.get('cache_mode')}, "
+            f"{m.get('link')} (measured on {m.get('device')!r})")
+
+
 def profile_key(model) -> dict:
     runtime = model.specfit
     return dict(device_name=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,

@@ -69,11 +69,11 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="target checkpoint (default: the embedded model)")
     p.add_argument("--drafter", default=None, help="drafter folder (default: the embedded drafter)")
     p.add_argument("--out", default=None, help="where to save (default: beside the drafter)")
-    p.add_argument("--num-prompts", type=int, default=48)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=48, help="GSM8K train questions decoded to collect routes")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
+    p.add_argument("--epochs", type=int, default=40, help="passes over the collected routes")
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts, init and batches")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
 
 def main(args) -> int:

@@ -1,0 +1,163 @@
+"""The command line as a user meets it: help written for users with every default shown, a version, the terms
+explained, refusals without tracebacks, bench without data, calibrate without --slots; and the libraries behind
+data access and the user cache."""
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import tiny_moe_config
+
+from specfit import cli
+from specfit.evaluation import datasets
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def run(capsys, *argv):
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exit:
+        code = exit.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_help_is_written_for_users_and_explains_the_terms(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and out.startswith("usage: specfit")
+    assert "add_arguments" not in out and "imported only when" not in out  # no developer notes
+    for term in ("slots", "link", "node", "oracle", "eagle3-vanilla", "profile", "AR"):
+        assert re.search(rf"^  {re.escape(term)}\s{{2,}}\S", out, re.M), term
+    for name in cli.SUBCOMMANDS:
+        assert name in out
+
+
+def test_version(capsys):
+    import specfit
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith(f"specfit {specfit.__version__} (Python ")
+
+
+@pytest.mark.parametrize("name", list(cli.SUBCOMMANDS))
+def test_every_option_has_help_and_shows_its_default(capsys, name):
+    parser = cli.command_parser(name)
+    for action in parser._actions:
+        assert action.help, f"specfit {name} {action.option_strings}: no help"
+    code, out, _ = run(capsys, name, "--help")
+    assert code == 0 and "terms:" in out
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False) and action.dest != "help":
+            text = " ".join(out.split())
+            option = action.option_strings[-1]
+            assert re.search(rf"{re.escape(option)}.*?default", text), f"specfit {name} {option}: default not shown"
+
+
+def test_demo_help_shows_numbers(capsys):
+    code, out, _ = run(capsys, "demo", "--help")
+    assert "(default: 64)" in " ".join(out.split())
+
+
+def test_a_refusal_is_one_line_not_a_traceback(capsys):
+    code, _, err = run(capsys, "calibrate", "--threads", "0")
+    assert code == 2 and err.startswith("specfit calibrate: error: --threads must be >= 1")
+    assert "Traceback" not in err
+
+
+def test_bench_without_data_says_where_to_get_it_and_stops(capsys, monkeypatch):
+    from specfit.evaluation import harness
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("bench loaded a model although it has no prompts")
+
+    monkeypatch.setattr(datasets, "data_dir", lambda: None)  # no local folder; the hub is offline in the tests
+    monkeypatch.setattr(harness, "load_instances", refuse)
+    code, _, err = run(capsys, "bench", "--quick")
+    assert code == 2 and "Traceback" not in err
+    assert "SPECFIT_DATA_DIR" in err and "gsm8k/test.jsonl" in err and "specfit demo" in err
+
+
+def test_calibrate_defaults_its_slots(capsys, monkeypatch):
+    from transformers import AutoConfig, LlamaConfig
+
+    from specfit import embedded
+    from specfit.evaluation import calibrate
+
+    args = cli.command_parser("calibrate").parse_args([])
+    assert args.slots is None
+    seen = {}
+
+    def load(cache_slots, **kwargs):
+        seen["slots"] = cache_slots
+        return "model", "tokenizer"
+
+    monkeypatch.setattr(embedded, "load", load)
+    calibrate._load(args)
+    experts = AutoConfig.from_pretrained(embedded.TARGET_DIR).num_experts
+    assert seen["slots"] == args.slots == round(experts * 3 / 8)
+    assert "--slots not given" in capsys.readouterr().out
+    assert calibrate.default_slots(tiny_moe_config(num_experts=128)) == 48  # the paper's 48 of 128
+    with pytest.raises(ValueError, match="pass --slots"):
+        calibrate.default_slots(LlamaConfig())  # a dense model: no experts to count
+
+
+def test_readme_glossary_explains_every_term():
+    text = README.read_text(encoding="utf-8")
+    glossary = text[text.index("## Glossary"):]
+    glossary = glossary[:glossary.index("\n## ", 1)] if "\n## " in glossary[1:] else glossary
+    for term in cli.TERMS:
+        assert f"**{term}**" in glossary, term
+
+
+def test_readme_command_table_lists_every_command():
+    text = README.read_text(encoding="utf-8")
+    for name in cli.SUBCOMMANDS:
+        assert f"`specfit {name}" in text, name
+
+
+def test_offline_hub_datasets_load_from_the_datasets_cache(monkeypatch):
+    """Offline (HF_HUB_OFFLINE, as the tests run), a dataset in the datasets library's cache still loads: SpecFit
+    leaves offline handling to the library instead of refusing on its own."""
+    import datasets as hf_datasets
+
+    rows = [{"question": "What is 2 + 3?", "answer": "5"}]
+    calls = []
+
+    def cached(name, config=None, split=None):
+        calls.append((name, config, split))
+        return rows
+
+    monkeypatch.setattr(datasets, "data_dir", lambda: None)
+    monkeypatch.setattr(hf_datasets, "load_dataset", cached)
+    assert datasets.gsm8k("test", 1) == rows and calls == [("openai/gsm8k", "main", "test[:1]")]
+
+
+def test_an_unreachable_hub_is_reported_at_once_with_where_to_get_the_data(monkeypatch):
+    import datasets as hf_datasets
+    import huggingface_hub
+
+    def unreachable(self, name, timeout=None):
+        raise ConnectionError("Name or service not known")
+
+    def never(*args, **kwargs):
+        raise AssertionError("load_dataset ran (and retried) although the hub did not answer")
+
+    monkeypatch.setattr(datasets, "data_dir", lambda: None)
+    monkeypatch.setattr(hf_datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    monkeypatch.setattr(hf_datasets, "load_dataset", never)
+    with pytest.raises(datasets.DataUnavailable, match=r"openai/gsm8k.*Name or service not known.*SPECFIT_DATA_DIR"):
+        datasets.gsm8k("test", 1)
+
+
+def test_the_user_cache_is_the_platforms(monkeypatch, tmp_path):
+    import platformdirs
+
+    from specfit.selection.cost_model import cache_root
+
+    monkeypatch.delenv("SPECFIT_CACHE", raising=False)
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda name, appauthor=None: str(tmp_path / name))
+    assert cache_root() == tmp_path / "specfit"
+    monkeypatch.setenv("SPECFIT_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
