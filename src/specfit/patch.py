@@ -113,6 +113,11 @@ def disable(model: nn.Module) -> nn.Module:
     runtime = getattr(model, "specfit", None)
     if runtime is None:
         raise RuntimeError("SpecFit is not enabled on this model")
+    with runtime.serialized("disable()"):  # a call in progress in another thread finishes first
+        return _disable(model, runtime)
+
+
+def _disable(model: nn.Module, runtime) -> nn.Module:
     detach_decoding(model)
     runtime.engine.close()  # no copy may still be writing into slots or reading the arenas
     r = runtime._restore
@@ -342,14 +347,15 @@ def configure(model, cost_model=None, **options) -> DecodingOptions:
         raise RuntimeError("SpecFit is not enabled on this model: specfit.enable(model, cache_slots=..., ...) first")
     _check_keywords(options, OPTION_NAMES, "specfit.configure", named=configure, enable_only=ENABLE_ONLY)
     new_options = replace(runtime.options, **options)
-    previous = runtime.options, runtime.cost_model
-    runtime.options = new_options
-    try:
-        if cost_model is not None:
-            runtime.cost_model = cost_model
-        _check_options(model, new_options)
-    except BaseException:
-        runtime.options, runtime.cost_model = previous
-        raise
-    runtime.backoff = None  # whether drafting pays is judged anew under the new options
-    return runtime.options
+    with runtime.serialized("configure()"):  # never under a call in progress in another thread
+        previous = runtime.options, runtime.cost_model
+        runtime.options = new_options
+        try:
+            if cost_model is not None:
+                runtime.cost_model = cost_model
+            _check_options(model, new_options)
+        except BaseException:
+            runtime.options, runtime.cost_model = previous
+            raise
+        runtime.backoff = None  # whether drafting pays is judged anew under the new options
+        return runtime.options

@@ -63,6 +63,8 @@ class Counters:
     - ``prefill_seconds``: wall clock from ``generate()``'s entry to the end of the prompt's forward.
       ``decode_seconds``: wall clock of everything after it; the two add up to a stopwatch around the call.
       ``measurement_seconds``: the part of ``decode_seconds`` spent on measurement only (the route oracle).
+      ``lock_wait_seconds``: the part of ``prefill_seconds`` spent waiting while another thread's call held this
+      model (calls on one model run one at a time).
 
     Derived (properties): ``tokens_per_second`` (decode, wall clock), ``end_to_end_tokens_per_second`` (prefill
     included), ``nodes_per_cycle``, ``tokens_per_cycle``, ``seconds_per_cycle``, ``copies`` (misses + prefetches),
@@ -98,6 +100,7 @@ class Counters:
     prefill_seconds: float = 0.0  # wall clock from generate()'s entry to the end of the prompt's forward
     decode_seconds: float = 0.0  # wall clock of everything generate() did after the prefill (oracle included)
     measurement_seconds: float = 0.0  # the part of decode_seconds spent on measurement only (the route oracle)
+    lock_wait_seconds: float = 0.0  # the part of prefill_seconds spent waiting for another thread's call
 
     def __iadd__(self, other: "Counters") -> "Counters":
         for f in fields(self):
@@ -207,6 +210,8 @@ _FIGURES = (
      "measured"),
     ("tok/s excl. oracle", "tokens_per_second_excluding_measurement", "{:.1f}",
      "the paper's figure: decode tok/s with the oracle's time taken out", "measured"),
+    ("waited s", "lock_wait_seconds", "{:.3f}",
+     "time the call waited for another thread's call on this model (inside prefill s)", "waited"),
     ("prefetch copies", "prefetch_copies", "{:d}", "copies started ahead of a forward (included in copies)",
      "prefetch"),
     ("prefetch wasted", "prefetch_wasted", "{:d}", "prefetched experts the next forward did not use", "prefetch"),
@@ -228,7 +233,8 @@ def _figures(c: Counters, force: bool = False) -> list[tuple[str, str, str, str]
     """(label, value, meaning, attribute) of the figures that apply to ``c``; ``force``: all of them."""
     shown = {"always": True, "tokens": c.new_tokens > 0, "cycles": c.cycles > 0, "forwards": c.forwards > 0,
              "demand": c.demand > 0, "measured": c.measurement_seconds > 0, "prefetch": c.prefetch_copies > 0,
-             "pageable": c.pageable_copies > 0, "expected": bool(getattr(c, "expected_tokens", 0)) and c.cycles > 0}
+             "pageable": c.pageable_copies > 0, "expected": bool(getattr(c, "expected_tokens", 0)) and c.cycles > 0,
+             "waited": c.lock_wait_seconds > 0}
     out = []
     for label, attribute, fmt, meaning, when in _FIGURES:
         if not (force or shown[when]):
@@ -288,6 +294,7 @@ class Stats:
     scope: "GenerateScope | None" = field(default=None, repr=False)
     trace: list | None = field(default=None, repr=False)  # set to [] to record one CycleRecord per decoding cycle
     call_started: float | None = field(default=None, repr=False)  # perf_counter() at generate()'s entry
+    call_waited: float = field(default=0.0, repr=False)  # seconds that call waited for another thread's call
     # set by the runtime on a device with queued work (CUDA): waits for all of it and counts the copies' time; a
     # generate() scope calls it before it reads the clock or the counters, so no queued work is missed or misplaced
     settle: Callable[[], None] | None = field(default=None, repr=False)
@@ -304,15 +311,17 @@ class Stats:
         self.trace = Trace()
         return self.trace
 
-    def generate_called(self) -> None:
-        """Start the clock of a ``generate()`` call (its preparation counts as prefill time) and clear the previous
-        call's figures, so a call that fails or takes another path never shows them as its own."""
-        self.call_started = time.perf_counter()
+    def generate_called(self, started: float | None = None, waited: float = 0.0) -> None:
+        """Start the clock of a ``generate()`` call (its preparation counts as prefill time; ``started``: the call's
+        entry, before ``waited`` seconds spent waiting for another thread's call) and clear the previous call's
+        figures, so a call that fails or takes another path never shows them as its own."""
+        self.call_started = time.perf_counter() if started is None else started
+        self.call_waited = waited
         self.last_prefill, self.last_generate, self.last_method = Counters(), Counters(), None
 
     def begin_generate(self) -> "GenerateScope":
-        self.scope = GenerateScope(self, self.call_started)
-        self.call_started = None
+        self.scope = GenerateScope(self, self.call_started, self.call_waited)
+        self.call_started, self.call_waited = None, 0.0
         return self.scope
 
     def forward_done(self, counters: Counters) -> None:
@@ -435,8 +444,8 @@ class GenerateScope:
     """Accounts one ``generate()`` call: prefill counters and wall clock, then the decode phase (cycles, tokens, wall
     clock until ``end``)."""
 
-    def __init__(self, stats: Stats, started: float | None = None):
-        self.stats = stats
+    def __init__(self, stats: Stats, started: float | None = None, waited: float = 0.0):
+        self.stats, self.waited = stats, waited
         self.start = stats.total.copy()
         self.after_prefill: Counters | None = None
         self.t_prefill = started if started is not None else time.perf_counter()  # the prefill's clock starts here
@@ -484,6 +493,7 @@ class GenerateScope:
             t.tokens_committed += steps
         t.new_tokens += new_tokens
         t.prefill_seconds += self.prefill_seconds
+        t.lock_wait_seconds += self.waited
         self.stats.last_prefill = self.after_prefill - self.start
         self.stats.last_prefill.prefill_seconds = self.prefill_seconds
         self.stats.last_generate = t - self.after_prefill

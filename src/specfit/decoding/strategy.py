@@ -11,6 +11,8 @@ leaves its own figures in ``model.specfit.stats`` (``last_generate``, ``last_met
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import seam
@@ -25,8 +27,16 @@ class SpecFitGenerationMixin:
     loop with the named assistant; without an assistant it is transformers' own ``generate()``."""
 
     def generate(self, *args, assistant=_UNSET, **kwargs):
+        """One call at a time per model, from any number of threads (a call waits for the one in progress; the wait
+        is in its wall clock, and shown apart as ``lock_wait_seconds``)."""
         runtime = self.specfit
-        runtime.stats.generate_called()  # the stopwatch starts here, before any preparation; old figures cleared
+        started = time.perf_counter()  # the stopwatch starts here, before any waiting or preparation
+        with runtime.serialized() as waited:
+            runtime.stats.generate_called(started, waited)  # old figures cleared
+            return self._generate(args, kwargs, assistant)
+
+    def _generate(self, args, kwargs, assistant):
+        runtime = self.specfit
         named = generate_arguments(args, kwargs)
         if isinstance(named.get("assistant_model"), str):
             raise ValueError(f"assistant_model= takes a draft model (transformers' assisted decoding), got the string "
