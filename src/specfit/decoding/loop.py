@@ -76,7 +76,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
 
     while not run.done:
         t0 = time.perf_counter()
-        cycle = Cycle(model, cache, base=seam.kv_length(cache), root=int(run.ids[0, -1]))
+        cycle = Cycle(model, cache, base=seam.kv_length(cache), root=int(run.ids[0, -1]), sampling=do_sample)
         tree = gen.draft(cycle)  # 1. draft
         nodes = gen.select(tree, cycle)  # 2. select
         t_drafted = time.perf_counter()
@@ -88,12 +88,14 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
                     use_cache=True, logits_to_keep=0)  # 3. verify
         verify = runtime.stats.last_forward
         tokens = [cycle.root] + [tree.tokens[v] for v in layout.nodes]  # the host has them: no device round trip
+        choices = None
         if run.plain_greedy:  # 4. accept (one transfer of every position's argmax when scores are raw logits)
-            acc = walk_greedy(layout.children, tokens, out.logits[0].argmax(-1).tolist(),
-                              lambda t: out.logits[0, t].float())
+            choices = out.logits[0].argmax(-1).tolist()
+            acc = walk_greedy(layout.children, tokens, choices, lambda t: out.logits[0, t].float())
         else:
             acc = walk(layout.children, tokens, lambda t, accepted: run.scores(out.logits[0, t], accepted),
                        do_sample)
+        gen.learn(tree, layout, acc, choices, do_sample)  # what the target did with the drafted children it saw
         kept = [0] + acc.path  # tree indices, ascending
         if kept == list(range(len(kept))):  # 5. compact: the path is a prefix of the layout, so cropping suffices
             seam.crop_kv(cache, cycle.base + len(kept))
@@ -106,7 +108,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
                         torch.tensor([acc.tokens], device=runtime.device))
         scope.cycle(pool=len(tree), verified=len(nodes), committed=committed, demand=verify.demand,
                     misses=verify.misses, seconds=time.perf_counter() - t0, measurement=cycle.measurement_seconds,
-                    draft_seconds=t_drafted - t0)
+                    draft_seconds=t_drafted - t0, expected=gen.expected_tokens)
 
     seam.crop_kv(cache, run.ids.shape[1] - 1)  # tokens cut by the stopping criteria leave no KV behind
     scope.end(new_tokens=run.ids.shape[1] - input_ids.shape[1])

@@ -111,7 +111,8 @@ class TreeDrafter:
         candidates = []
         for (parent, _, state), qs, ts in zip(expansions, probs, tokens):
             base = 1.0 if parent < 0 else tree.path_probs[parent]
-            candidates += [(base * p, parent, t, state) for p, t in zip(qs, ts)]
+            # rank: the child's place in its parent's top-k (1 = the drafter's top choice)
+            candidates += [(base * p, parent, t, state, rank, p) for rank, (p, t) in enumerate(zip(qs, ts), 1)]
         candidates.sort(key=lambda c: -c[0])
-        for path_prob, parent, token, state in candidates[: self.max_pool - len(tree)]:
-            self._drafted_by[tree.add(parent, token, path_prob)] = state
+        for path_prob, parent, token, state, rank, q in candidates[: self.max_pool - len(tree)]:
+            self._drafted_by[tree.add(parent, token, path_prob, rank, q)] = state
