@@ -50,6 +50,7 @@ PROBES = json.loads(files("specfit.calibration").joinpath("probes.json").read_te
 # 2.2x its configuration's fastest, and whole rounds ran 14 to 22 ms per cycle. The minimum of 3 fitted with R^2
 # 0.96 (misses) where the median of 3 reached 0.75 and the median of 5 0.76.
 STATISTIC = "min"
+ACCEPTANCE_PROMPTS = 24  # --acceptance-only: calibration prompts (each decoded greedily and sampled)
 STABILITY_POOLS = 64  # recorded pools the selector-stability check uses (spread over the run)
 READ_THE_PLOT = ("how to read the plot: one point per probe configuration (its fastest repeat); filled dots are "
                  "the fit, hollow circles the same probes predicted by a fit that held them out; on the dashed "
@@ -271,12 +272,15 @@ def _level_seconds(per_config: list[list[list[float]]]) -> tuple[float, ...]:
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the embedded model)")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the embedded drafter)")
-    p.add_argument("--slots", type=int, required=True, help="expert slots per MoE layer on the device")
+    p.add_argument("--slots", type=int, default=None,
+                   help="expert slots per MoE layer on the device (required, except with --acceptance-only)")
     p.add_argument("--cache-mode", choices=("cached", "cleared"), default="cached")
     p.add_argument("--prompts", default=PROBES["prompts"],
                    help="gsm8k (default, as in the paper), cnn, random (token ids; for checkpoints without a "
                         "tokenizer), or a local .jsonl with a 'question' or 'text' field")
-    p.add_argument("--num-prompts", type=int, default=PROBES["num_prompts"])
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"prompts to decode (default {PROBES['num_prompts']}; with --acceptance-only, "
+                        f"{ACCEPTANCE_PROMPTS})")
     p.add_argument("--probes", type=int, default=PROBES["probes"],
                    help=f"probe configurations (cycles) to fit on (default {PROBES['probes']})")
     p.add_argument("--repeats", type=int, default=PROBES["repeats"],
@@ -295,6 +299,11 @@ def add_arguments(p) -> None:
                    help="install the profile even when the fit fails the quality gate (enable() will warn)")
     p.add_argument("--plot", default=None,
                    help="PNG of predicted vs measured cycle time (default: beside the profile; needs matplotlib)")
+    p.add_argument("--acceptance-only", action="store_true",
+                   help="instead of the cost profile, fit the acceptance model's tables for the drafter: greedy and "
+                        "sampling labels from the EAGLE-3 assistant on GSM8K train questions and CNN/DailyMail "
+                        "articles from the end of the test file (--num-prompts of them, default 24), written to "
+                        "acceptance.json beside the drafter (or --out); --slots defaults to all experts")
 
 
 def main(args) -> int:
@@ -302,6 +311,11 @@ def main(args) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.acceptance_only:
+        return _acceptance_only(args)
+    if args.slots is None:
+        raise SystemExit("specfit calibrate: --slots is required (expert slots per MoE layer on the device)")
+    args.num_prompts = args.num_prompts or PROBES["num_prompts"]
     t0 = time.perf_counter()
     model, tokenizer = _load(args)
     print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
@@ -327,6 +341,46 @@ def main(args) -> int:
     beside = str(path).removesuffix(".json") + ("" if installed else ".rejected") + ".png"
     plot_fit(result, args.plot or beside)
     return 0 if installed else 3
+
+
+def _acceptance_only(args) -> int:
+    """``--acceptance-only``: fit and write the drafter's acceptance tables (see evaluation/acceptance_tables.py)."""
+    from tqdm.auto import tqdm
+
+    from .acceptance_tables import calibration_prompts, describe as describe_tables, fit_tables
+    from ..selection.acceptance_model import FILENAME
+
+    if args.slots is None:
+        from transformers import AutoConfig
+
+        if args.model is None:
+            from .. import embedded
+
+            args.slots = AutoConfig.from_pretrained(embedded.TARGET_DIR).num_experts
+        else:
+            args.slots = AutoConfig.from_pretrained(args.model).num_experts
+    model, tokenizer = _load(args)
+    torch.set_num_threads(args.threads or (1 if model.specfit.device.type == "cpu" else torch.get_num_threads()))
+    if tokenizer is None:
+        raise ValueError("--acceptance-only decodes text prompts and needs the model's tokenizer")
+    if args.out:
+        out = Path(args.out)
+    else:
+        from .. import embedded
+
+        drafter = args.drafter or (embedded.DRAFTER_DIR if args.model is None else None)
+        if drafter is None or not Path(drafter).is_dir():
+            raise ValueError("--acceptance-only writes acceptance.json beside a local drafter folder; pass --drafter "
+                             "FOLDER or --out PATH")
+        out = Path(drafter) / FILENAME
+    prompts = calibration_prompts(tokenizer, args.num_prompts or ACCEPTANCE_PROMPTS)
+    with tqdm(total=2 * len(prompts), desc="acceptance labels (greedy, then sampling)", unit="prompt") as bar:
+        tables = fit_tables(model, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            progress=lambda done: bar.update(done - bar.n))
+    print(describe_tables(tables))
+    tables.save(out)
+    print(f"acceptance tables written to {out}")
+    return 0
 
 
 def install(cost: CostModel, path, force: bool = False) -> Path:
