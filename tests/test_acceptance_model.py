@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import specfit.selection.acceptance_model
-from specfit.evaluation.reliability import ece
+from specfit.evaluation.reliability import ece, ece_floor
 from specfit.selection.acceptance_model import (FILENAME, Q_EDGES, AcceptanceModel, AcceptanceTable,
                                                 AcceptanceTables, bin_centers)
 
@@ -178,7 +178,11 @@ def test_docstring_examples_run_and_no_torch():
     assert out.strip() == "False"
 
 
-def test_expected_calibration_error():
+def test_expected_calibration_error_and_its_floor():
     assert ece([0.2] * 10, [1.0] * 2 + [0.0] * 8) == pytest.approx(0.0)
     assert ece([0.9, 0.9], [0.0, 0.0]) == pytest.approx(0.9)
     assert math.isnan(ece([], []))
+    # a perfectly calibrated predictor still scores about 0.8 sqrt(p (1 - p) / labels per bin) on few labels
+    rng = random.Random(0)
+    few, many = [rng.uniform(0.2, 0.6) for _ in range(300)], [rng.uniform(0.2, 0.6) for _ in range(30000)]
+    assert 0.03 < ece_floor(few) < 0.09 and ece_floor(many) < 0.01

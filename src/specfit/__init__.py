@@ -35,6 +35,8 @@ _LAZY = {
     "select_subtree": "specfit.selection.selector",
     "Selection": "specfit.selection.selector",
     "CostModel": "specfit.selection.cost_model",
+    "AcceptanceModel": "specfit.selection.acceptance_model",
+    "AcceptanceTables": "specfit.selection.acceptance_model",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

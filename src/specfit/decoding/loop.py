@@ -1,7 +1,9 @@
 """SpecFit's decoding loop: tree speculative decoding with a named assistant, inside ``model.generate()``.
 
 One cycle: (1) draft a pool, (2) select the subtree to verify, (3) verify root + subtree in one target forward,
-(4) accept the longest agreeing path plus the bonus token, (5) compact the KV cache to that path, (6) observe:
+(4) accept the longest agreeing path plus the bonus token, and show the assistant what the target did with the
+drafted children of the positions it scored (its acceptance model learns from them; no extra transfer for greedy
+decoding, one per cycle for sampling), (5) compact the KV cache to that path, (6) observe:
 commit the tokens (stopping criteria, streamer) and feed the drafter. The target runs every expert its router picks,
 so the output equals plain ``generate()`` (greedy: token for token; sampling: in distribution).
 """

@@ -7,7 +7,10 @@ probability, which is what the paper's reward uses as the child's acceptance. A 
 among children predicted ``x``, a fraction ``x`` is accepted.
 
 The *expected calibration error* (ECE) bins the predictions into ten equal-width bins and averages
-``|mean prediction - mean label|`` over the bins, weighted by how many children each holds.
+``|mean prediction - mean label|`` over the bins, weighted by how many children each holds. On few labels it is
+biased upwards: even a perfectly calibrated predictor scores about ``0.8 * sqrt(p (1 - p) / labels per bin)`` (0.07
+with 300 labels), so ``summary`` also reports that *floor*, the mean ECE of labels drawn from the predictions
+themselves.
 """
 
 from __future__ import annotations
@@ -33,14 +36,24 @@ def ece(predicted, observed, bins: int = BINS) -> float:
     return float(total / predicted.size)
 
 
+def ece_floor(predicted, draws: int = 20, seed: int = 0) -> float:
+    """The ECE a perfectly calibrated predictor would show with these predictions and this many labels: the mean
+    over ``draws`` sets of labels drawn with the predicted probabilities (seeded)."""
+    predicted = np.asarray(predicted, float)
+    if predicted.size == 0:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    return float(np.mean([ece(predicted, rng.random(predicted.size) < predicted) for _ in range(draws)]))
+
+
 def summary(log) -> dict:
     """ECE of the raw conditional probabilities and of the calibrated estimates, overall and per (depth, rank)."""
     if not log:
         return {"labels": 0}
     depth, rank, q, est, label = (np.asarray(c, float) for c in zip(*log))
     out = {"labels": len(log), "ece_raw": ece(q, label), "ece_calibrated": ece(est, label),
-           "mean_q": float(q.mean()), "mean_estimate": float(est.mean()), "mean_label": float(label.mean()),
-           "by_depth_rank": {}}
+           "ece_floor": ece_floor(est), "mean_q": float(q.mean()), "mean_estimate": float(est.mean()),
+           "mean_label": float(label.mean()), "by_depth_rank": {}}
     for d in sorted(set(depth.astype(int))):
         for r in sorted(set(rank.astype(int))):
             sel = (depth == d) & (rank == r)
@@ -56,8 +69,9 @@ def describe(name: str, s: dict) -> str:
     if not s.get("labels"):
         return f"{name}: no labelled children (SpecFit drafted nothing)"
     return (f"{name}: expected calibration error of per-node acceptance {s['ece_calibrated']:.3f} calibrated vs "
-            f"{s['ece_raw']:.3f} raw draft probabilities over {s['labels']} labelled children (mean label "
-            f"{s['mean_label']:.3f}, estimate {s['mean_estimate']:.3f}, q {s['mean_q']:.3f})")
+            f"{s['ece_raw']:.3f} raw draft probabilities over {s['labels']} labelled children (a perfectly "
+            f"calibrated predictor would score {s['ece_floor']:.3f} on as many; mean label {s['mean_label']:.3f}, "
+            f"estimate {s['mean_estimate']:.3f}, q {s['mean_q']:.3f})")
 
 
 def plot(logs: dict, path, min_labels: int = 5) -> Path | None:
