@@ -3,9 +3,10 @@
 A *pool* node ``v`` has a parent (``-1``: a child of the root), a token (a target vocabulary id), a path probability
 (the product of draft probabilities from the root), a depth (1 for children of the root), a *rank* among its siblings
 (1: the drafter's top choice at the parent, 2: its second, ...) and a *conditional draft probability* ``q`` (the
-drafter's probability of the token at the parent: ``path_prob / parent's path_prob``). Parents come before children. The *root* is the last committed token, not yet in the target's KV cache; it is always verified. A
-*verify tree* is the root followed by a selected, ancestor-closed subset of the pool, in pool order: tree index 0 is
-the root, tree index ``j + 1`` is ``nodes[j]``.
+drafter's probability of the token at the parent: ``path_prob / parent's path_prob``). Parents come before children.
+The *root* is the last committed token, not yet in the target's KV cache; it is always verified. A *verify tree* is
+the root followed by a selected, ancestor-closed subset of the pool, in pool order: tree index 0 is the root, tree
+index ``j + 1`` is ``nodes[j]``.
 """
 
 from __future__ import annotations
