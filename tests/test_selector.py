@@ -270,7 +270,7 @@ def test_depths_and_takes_from_level():
 def good_inputs():
     return dict(
         parents=[-1, 0],
-        path_probs=[0.5, 0.25],
+        path_values=[0.5, 0.25],
         routes=np.zeros((2, 3, 4), bool),
         root_routes=np.zeros((3, 4), bool),
         cost=CostModel((1.0,) * 8, 0.1),
@@ -282,9 +282,9 @@ def good_inputs():
     [
         (dict(parents=[-1, 1]), r"parents\[1\] = 1"),
         (dict(parents=[-2, 0]), r"parents\[0\] = -2"),
-        (dict(parents=[-1, 0, 0]), "path_probs has 2 entries but parents has 3"),
-        (dict(path_probs=[0.5, float("nan")]), r"path_probs\[1\] = nan"),
-        (dict(path_probs=[-0.1, 0.2]), r"path_probs\[0\] = -0.1"),
+        (dict(parents=[-1, 0, 0]), "path_values has 2 entries but parents has 3"),
+        (dict(path_values=[0.5, float("nan")]), r"path_values\[1\] = nan"),
+        (dict(path_values=[-0.1, 0.2]), r"path_values\[0\] = -0.1"),
         (dict(routes=np.zeros((2, 3, 5), bool)), r"routes has shape \(2, 3, 5\), expected \(2, 3, 4\)"),
         (dict(routes=np.zeros((3, 4), bool)), r"routes has shape \(3, 4\), expected \(2, 3, 4\)"),
         (dict(root_routes=np.zeros(4, bool)), r"root_routes must be \[num_layers, num_experts\], got shape \(4,\)"),

@@ -207,11 +207,15 @@ def test_cli_end_to_end(tokenizer, tmp_path):
     args = ["train-drafter", "--target", str(tmp_path / "target"), "--out", str(out), "--work-dir",
             str(tmp_path / "work"), "--data-dir", str(root), "--num-prompts", "16", "--max-new-tokens", "8",
             "--steps", "4", "--batch-size", "4", "--eval-every", "2", "--draft-vocab", "128", "--intermediate-size",
-            "64", "--eval-gsm8k", "2", "--eval-cnn", "1", "--eval-new-tokens", "8", "--quiet"]
+            "64", "--eval-gsm8k", "2", "--eval-cnn", "1", "--eval-new-tokens", "8", "--acceptance-prompts", "2",
+            "--quiet"]
     assert main(args) == 0
-    assert sorted(f.name for f in out.iterdir()) == ["README.md", "config.json", "model.safetensors",
-                                                      "training_report.json"]
+    assert sorted(f.name for f in out.iterdir()) == ["README.md", "acceptance.json", "config.json",
+                                                      "model.safetensors", "training_report.json"]
+    tables = specfit.AcceptanceTables.load(out / "acceptance.json")
+    assert tables.greedy.labels > 0 and tables.meta["prompts"] == 2
     report = json.loads((out / "training_report.json").read_text())
+    assert report["acceptance_tables"]["prompts"] == 2 and "acceptance.json" in (out / "README.md").read_text()
     assert report["steps"] == 4 and report["lossless"]["equal_to_plain_generate"]
     assert set(report["acceptance"]) == {"gsm8k", "cnn"} and report["acceptance"]["gsm8k"]["acceptance_length"] >= 1
     assert "OpenStax" in (out / "README.md").read_text()

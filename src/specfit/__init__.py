@@ -37,6 +37,8 @@ _LAZY = {
     "CostModel": "specfit.selection.cost_model",
     # measuring on your own prompts
     "compare": "specfit.evaluation.comparison",
+    "AcceptanceModel": "specfit.selection.acceptance_model",
+    "AcceptanceTables": "specfit.selection.acceptance_model",
 }
 # subpackages reachable as attributes after a plain `import specfit`, e.g. specfit.embedded.load(...)
 _SUBPACKAGES = ("embedded",)

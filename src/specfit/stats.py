@@ -96,6 +96,7 @@ class Counters:
     nodes_drafted: int = 0  # draft pool size, summed over cycles
     nodes_verified: int = 0  # draft nodes in the verified subtree (the root not counted)
     tokens_committed: int = 0  # accepted draft tokens + the bonus token
+    expected_tokens: float = 0.0  # the assistant's expected committed tokens per cycle, summed (AR: 1 per step)
     new_tokens: int = 0  # tokens returned by generate (AR too)
     prefill_seconds: float = 0.0  # wall clock from generate()'s entry to the end of the prompt's forward
     decode_seconds: float = 0.0  # wall clock of everything generate() did after the prefill (oracle included)
@@ -141,6 +142,12 @@ class Counters:
         return self.tokens_committed / self.cycles if self.cycles else 0.0
 
     @property
+    def expected_over_committed(self) -> float:
+        """Expected committed tokens (what the selector predicted) over the tokens committed: 1.0 when the
+        acceptance estimates are right on average, below 1 when they understate acceptance."""
+        return self.expected_tokens / self.tokens_committed if self.tokens_committed else 0.0
+
+    @property
     def seconds_per_cycle(self) -> float:
         return self.decode_seconds / self.cycles if self.cycles else 0.0
 
@@ -166,7 +173,7 @@ class Counters:
         out = asdict(self)
         for name in ("copies", "hit_rate", "copy_bandwidth", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle",
                      "seconds_per_cycle", "tokens_per_second", "end_to_end_tokens_per_second",
-                     "tokens_per_second_excluding_measurement"):
+                     "tokens_per_second_excluding_measurement", "expected_over_committed"):
             out[name] = getattr(self, name)
         return out
 
@@ -467,8 +474,9 @@ class GenerateScope:
             self.stats.settle()
 
     def cycle(self, pool: int, verified: int, committed: int, seconds: float, measurement: float, demand: int,
-              misses: int, draft_seconds: float) -> None:
-        """One decoding cycle; ``seconds`` is its wall clock, ``measurement`` the part of it spent measuring."""
+              misses: int, draft_seconds: float, expected: float = 0.0) -> None:
+        """One decoding cycle; ``seconds`` is its wall clock, ``measurement`` the part of it spent measuring,
+        ``expected`` the tokens the assistant expected it to commit."""
         if self.stats.trace is not None:
             self.stats.trace.append(CycleRecord(verified, demand, seconds, pool, committed, misses, draft_seconds,
                                                 measurement))
@@ -477,6 +485,7 @@ class GenerateScope:
         t.nodes_drafted += pool
         t.nodes_verified += verified
         t.tokens_committed += committed
+        t.expected_tokens += expected
         t.measurement_seconds += measurement
 
     def end(self, new_tokens: int, autoregressive: bool = False) -> None:
@@ -491,6 +500,7 @@ class GenerateScope:
             steps = t.forwards - self.after_prefill.forwards
             t.cycles += steps
             t.tokens_committed += steps
+            t.expected_tokens += steps
         t.new_tokens += new_tokens
         t.prefill_seconds += self.prefill_seconds
         t.lock_wait_seconds += self.waited

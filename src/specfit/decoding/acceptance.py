@@ -81,3 +81,47 @@ def walk_greedy(children: Callable[[int], list[int]], tokens: list[int], choices
         acc.path.append(nxt)
         t = nxt
 
+
+
+def child_labels(tree, layout, acc: Acceptance, choices: list[int] | None, sampling: bool):
+    """Labels for the acceptance model: what the target did with each drafted child of a tree position it scored.
+
+    Which positions: with ``choices`` (plain greedy: the target's argmax at every tree position, already on the host
+    for ``walk_greedy``), the root and every verified node; otherwise the positions the walk scored, the root and the
+    accepted nodes (logits processors run there only: they read the accepted prefix). Every *pool* child of such a
+    position is labelled, verified or not, so the model also learns from children the selector left out.
+
+    A label is the chance that the child is accepted once its parent is. Greedy: 1.0 when the child's token is the
+    target's choice at the parent, else 0.0 (under processors the choice is the argmax of the processed scores, which
+    is what the walk accepts). Sampling: the target's probability ``p(x)`` of the child's token, softmax of the
+    processed scores. The walk treats the draft as one-hot: a child is tried only when its earlier siblings were
+    rejected (probability ``1 - sum of their p``) and then accepted with ``p(x) / (1 - sum of their p)``, so its
+    chance is ``p(x)`` whatever its place. (``min(1, p/q)`` is the rule for a draft *sampled* from ``q``, which this
+    loop does not do.) The probabilities of every labelled child come to the host in one transfer per cycle.
+
+    Args:
+        tree: the pool (``DraftTree``); layout: its ``VerifyLayout``; acc: the walk's ``Acceptance``.
+    Returns:
+        (pool nodes, labels), parallel lists.
+    """
+    if choices is not None:
+        scored, picks = range(len(layout.parents)), choices
+    else:
+        scored, picks = [0] + acc.path, acc.tokens
+    kids: dict[int, list[int]] = {}
+    for v, p in enumerate(tree.parents):
+        kids.setdefault(p, []).append(v)
+    nodes, rows = [], []  # rows: the position in `scored` of each labelled node's parent
+    for i, t in enumerate(scored):
+        for c in kids.get(-1 if t == 0 else layout.nodes[t - 1], ()):
+            nodes.append(c)
+            rows.append(i)
+    if not nodes:
+        return [], []
+    tokens = tree.tokens
+    if not sampling:
+        return nodes, [1.0 if tokens[c] == picks[i] else 0.0 for c, i in zip(nodes, rows)]
+    scores = torch.stack(acc.scores[: len(scored)])  # [scored, V], processed scores at each scored position
+    index = torch.tensor([rows, [tokens[c] for c in nodes]], device=scores.device)  # [2, labelled]
+    probs = torch.softmax(scores.float(), -1)[index[0], index[1]]  # [labelled]
+    return nodes, probs.tolist()

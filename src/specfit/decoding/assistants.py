@@ -6,9 +6,12 @@ A tree candidate generator owns phases 1 (draft), 2 (select) and 6 (observe) of 
   EAGLE-3 itself would verify: the ``max_nodes`` pool nodes with the highest path probability (EAGLE-2's reranking;
   always ancestor-closed). The paper's baseline.
 - ``"specfit"``: after each drafted level, runs the SpecFit selector on the pool so far and stops drafting when the
-  winning subtree takes no node of the newest level; verifies exactly the winner. Options: where draft-node routes
-  come from (``route_source``), prefetching the winner's experts while the next level is drafted (``prefetch``),
-  and a cache-aware cost in which resident experts are free (``cost="cache-aware"``).
+  winning subtree takes no node of the newest level; verifies exactly the winner. The selector's expected tokens
+  are path values from the acceptance model (``acceptance="calibrated"``, the default: per-node acceptance
+  estimates, learned online from what the target did with every drafted child it scored), or the paper's path
+  probabilities (``acceptance="paper"``). Options: where draft-node routes come from (``route_source``),
+  prefetching the winner's experts while the next level is drafted (``prefetch``), and a cache-aware cost in which
+  resident experts are free (``cost="cache-aware"``).
 
 Register your own with ``register_assistant(name, factory)``; ``factory(model)`` returns a ``TreeCandidateGenerator``.
 """
@@ -21,19 +24,23 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..drafting.levels import TreeDrafter
-from ..drafting.tree import DraftTree
+from ..drafting.tree import DraftTree, VerifyLayout
+from ..selection.acceptance_model import AcceptanceModel, AcceptanceTables
 from ..selection.profiles import resolve_cost_model
 from ..selection.route_sources import Cycle, resolve_route_source
 from ..selection.selector import select_subtree, takes_from_level
+from .acceptance import Acceptance, child_labels
 
 
 class TreeCandidateGenerator(CandidateGenerator):
     """A transformers ``CandidateGenerator`` that proposes a *tree* and the subtree of it to verify.
 
     transformers' own ``get_candidates`` returns one linear continuation for its chain-only assisted decoding; a tree
-    does not fit that shape, so SpecFit's loop calls ``start``/``draft``/``select``/``observe`` instead and
-    ``get_candidates`` is not provided.
+    does not fit that shape, so SpecFit's loop calls ``start``/``draft``/``select``/``learn``/``observe`` instead
+    and ``get_candidates`` is not provided.
     """
+
+    expected_tokens: float = 0.0  # tokens the cycle just selected is expected to commit (0.0: no estimate)
 
     def start(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """After prefill: target features [1, P, 3H] of the prompt and the token after each ([1, P])."""
@@ -44,6 +51,12 @@ class TreeCandidateGenerator(CandidateGenerator):
 
     def select(self, tree: DraftTree, cycle: Cycle) -> tuple[int, ...]:
         raise NotImplementedError
+
+    def learn(self, tree: DraftTree, layout: VerifyLayout, acc: Acceptance, choices: list[int] | None,
+              sampling: bool) -> None:
+        """After acceptance: what the target did at the tree positions it scored (see ``child_labels``).
+        ``choices``: the target's token at every tree position when the loop has them on the host (plain greedy),
+        else None. Does nothing unless a generator learns from it."""
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """After acceptance: features [1, m, 3H] of the committed tokens newly in the KV cache and the token after
@@ -78,6 +91,7 @@ class Eagle3Generator(TreeCandidateGenerator):
 
     def select(self, tree, cycle):
         best = sorted(range(len(tree)), key=lambda v: (-tree.path_probs[v], v))[: self.max_nodes]
+        self.expected_tokens = 1.0 + sum(tree.path_probs[v] for v in best)  # EAGLE's own belief: path probabilities
         return tuple(sorted(best))
 
 
@@ -107,6 +121,10 @@ class SpecFitGenerator(Eagle3Generator):
             runtime.backoff = Backoff()
         self.backoff = runtime.backoff
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed pairs the drafter has not read yet
+        self.calibrated = opts.acceptance == "calibrated"
+        self.acceptance: AcceptanceModel | None = None  # this cycle's (per decoding mode, kept on the runtime)
+        self.values: list[float] = []  # path value of each pool node this cycle
+        self.estimates: list[float] = []  # acceptance estimate of each pool node this cycle
 
     def start(self, features, next_tokens):
         """The prompt waits with the committed pairs while drafting is skipped (the backoff carries over from the
@@ -134,10 +152,14 @@ class SpecFitGenerator(Eagle3Generator):
         not paid for itself lately (the winner verified the root alone), skip it for a while: such a cycle is one
         target forward on the root, as in plain decoding."""
         self.winner = None
+        self.expected_tokens = 1.0  # a cycle that verifies the root alone commits exactly its bonus token
         if self.backoff.skip():
             return DraftTree()
         self._catch_up()
         cycle.drafter = self.drafter
+        self.values, self.estimates = [], []
+        if self.calibrated:
+            self.acceptance = acceptance_model(self.runtime, cycle.sampling)
         tree = DraftTree()
         for tree in self.drafter.levels():
             node_routes, root_routes = self.routes(cycle, tree)
@@ -146,14 +168,39 @@ class SpecFitGenerator(Eagle3Generator):
                 resident = self.runtime.resident_mask()  # [L, E]
                 costed_nodes, costed_root = node_routes & ~resident, root_routes & ~resident
             cost = self.level_costs[tree.depth - 1] if self.level_costs else self.cost
-            self.winner = select_subtree(tree.parents, tree.path_probs, costed_nodes, costed_root, cost,
-                                         self.max_nodes)
+            values = self._path_values(tree) if self.calibrated else tree.path_probs
+            self.winner = select_subtree(tree.parents, values, costed_nodes, costed_root, cost, self.max_nodes)
             if self.prefetch:  # copy what the winner needs while the next level is drafted (residents: kept fresh)
                 self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
             if not takes_from_level(self.winner, tree.depths, tree.depth):
                 break
         self.backoff.record(paid=self._paid(costed_root))
+        self.expected_tokens = self.winner.expected_tokens
         return tree
+
+    def _path_values(self, tree) -> list[float]:
+        """Path values of the pool (the newest level's nodes estimated now): products of acceptance estimates."""
+        values, estimates, predict = self.values, self.estimates, self.acceptance.predict
+        parents, depths, ranks, qs = tree.parents, tree.depths, tree.ranks, tree.qs
+        for v in range(len(values), len(tree)):
+            a = predict(depths[v], ranks[v], qs[v])
+            estimates.append(a)
+            values.append(a if parents[v] < 0 else values[parents[v]] * a)
+        return values
+
+    def learn(self, tree, layout, acc, choices, sampling):
+        """Feed the acceptance model this cycle's labels (and the runtime's ``acceptance_log``, when it is a list:
+        ``(depth, rank, q, estimate, label)`` per labelled child, the estimate made before the label was known)."""
+        if not self.calibrated or not len(tree):
+            return
+        nodes, labels = child_labels(tree, layout, acc, choices, sampling)
+        if not nodes:
+            return
+        depths, ranks, qs = tree.depths, tree.ranks, tree.qs
+        self.acceptance.update([(depths[v], ranks[v], qs[v], y) for v, y in zip(nodes, labels)])
+        log = self.runtime.acceptance_log
+        if log is not None:
+            log += [(depths[v], ranks[v], qs[v], self.estimates[v], y) for v, y in zip(nodes, labels)]
 
     def _paid(self, costed_root) -> bool:
         """Whether this cycle's drafting paid for itself: its winner verifies draft nodes and, when the profile
@@ -166,6 +213,20 @@ class SpecFitGenerator(Eagle3Generator):
 
     def select(self, tree, cycle):
         return self.winner.nodes if self.winner is not None else ()
+
+
+def acceptance_model(runtime, sampling: bool) -> AcceptanceModel:
+    """The runtime's online acceptance model for a decoding mode, made from its tables on first use (the tables of
+    the drafter, ``runtime.acceptance_tables``, else the default prior) and kept across generate() calls, so what
+    it learned carries over; made anew when the tables are replaced."""
+    mode = "sampling" if sampling else "greedy"
+    tables = runtime.acceptance_tables
+    if tables is None:
+        tables = runtime.acceptance_tables = AcceptanceTables.default()
+    model = runtime.acceptance_models.get(mode)
+    if model is None or model.table is not tables[mode]:
+        model = runtime.acceptance_models[mode] = AcceptanceModel(tables[mode])
+    return model
 
 
 class Backoff:

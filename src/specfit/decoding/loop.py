@@ -1,7 +1,9 @@
 """SpecFit's decoding loop: tree speculative decoding with a named assistant, inside ``model.generate()``.
 
 One cycle: (1) draft a pool, (2) select the subtree to verify, (3) verify root + subtree in one target forward,
-(4) accept the longest agreeing path plus the bonus token, (5) compact the KV cache to that path, (6) observe:
+(4) accept the longest agreeing path plus the bonus token, and show the assistant what the target did with the
+drafted children of the positions it scored (its acceptance model learns from them; no extra transfer for greedy
+decoding, one per cycle for sampling), (5) compact the KV cache to that path, (6) observe:
 commit the tokens (stopping criteria, streamer) and feed the drafter. The target runs every expert its router picks,
 so the output equals plain ``generate()`` (greedy: token for token; sampling: in distribution).
 """
@@ -138,7 +140,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
 
     while not run.done:
         t0 = time.perf_counter()
-        cycle = Cycle(model, cache, base=kv, root=run.tokens[-1])
+        cycle = Cycle(model, cache, base=kv, root=run.tokens[-1], sampling=do_sample)
         tree = gen.draft(cycle)  # 1. draft
         nodes = gen.select(tree, cycle)  # 2. select
         t_drafted = time.perf_counter()
@@ -150,12 +152,14 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
                     use_cache=True, logits_to_keep=0)  # 3. verify
         verify = runtime.stats.last_forward
         tokens = [cycle.root] + [tree.tokens[v] for v in layout.nodes]  # the host has them: no device round trip
+        choices = None
         if run.plain_greedy:  # 4. accept (one transfer of every position's argmax when scores are raw logits)
             choices = to_host(out.logits[0].argmax(-1))[0].tolist()
             acc = walk_greedy(layout.children, tokens, choices, run.raw_scores(out.logits[0]))
         else:
             acc = walk(layout.children, tokens, lambda t, accepted: run.scores(out.logits[0, t], accepted),
                        do_sample)
+        gen.learn(tree, layout, acc, choices, do_sample)  # what the target did with the drafted children it saw
         kept = [0] + acc.path  # tree indices, ascending
         prefix = kept == list(range(len(kept)))
         kept_d = None if prefix else staging.to_device(kept)
@@ -171,7 +175,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
             gen.observe(features, staging.to_device([acc.tokens]))
         scope.cycle(pool=len(tree), verified=len(nodes), committed=committed, demand=verify.demand,
                     misses=verify.misses, seconds=time.perf_counter() - t0, measurement=cycle.measurement_seconds,
-                    draft_seconds=t_drafted - t0)
+                    draft_seconds=t_drafted - t0, expected=gen.expected_tokens)
 
     seam.crop_kv(cache, run.length - 1, current=kv)  # tokens cut by the stopping criteria leave no KV behind
     scope.end(new_tokens=run.length - input_ids.shape[1])

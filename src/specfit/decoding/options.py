@@ -1,4 +1,5 @@
-"""The decoding options: the draft pool, the verified-subtree budget, where routes come from, prefetch and cost."""
+"""The decoding options: the draft pool, the verified-subtree budget, where routes come from, prefetch, cost and the
+acceptance estimate."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ class DecodingOptions:
     route_source: str = AUTO  # where SpecFit's selector gets draft-node routes (see selection/route_sources.py)
     prefetch: bool = False  # copy the current winner's (predicted) experts while the next level is drafted
     cost: str = "paper"  # "paper": beta per expert of demand; "cache-aware": resident experts cost nothing
+    # what SpecFit's selector counts as expected tokens: "calibrated", path values from the acceptance model
+    # (selection/acceptance_model.py); "paper", the paper's 1 + sum of drafted path probabilities
+    acceptance: str = "calibrated"
 
     def __post_init__(self):
         if self.route_source != AUTO and self.route_source not in ROUTE_SOURCES:
@@ -25,6 +29,9 @@ class DecodingOptions:
                              f"predictor, else the target's gates) or one of {sorted(ROUTE_SOURCES)}")
         if self.cost not in ("paper", "cache-aware"):
             raise ValueError(f"cost must be 'paper' or 'cache-aware', got {self.cost!r}")
+        if self.acceptance not in ("calibrated", "paper"):
+            raise ValueError(f"acceptance must be 'calibrated' (the acceptance model's path values, the default) or "
+                             f"'paper' (1 + sum of path probabilities), got {self.acceptance!r}")
         for name in ("topk", "depth", "pool_nodes", "max_nodes"):
             value, low = getattr(self, name), 0 if name == "max_nodes" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

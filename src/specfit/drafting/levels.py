@@ -76,12 +76,13 @@ class TreeDrafter:
         # level 1: the root's children, processed from the device's top-k before their tokens reach the host
         q, ids = self._topk(self.root_logits[None])  # [1, k], [1, k]
         first = min(self.topk, self.max_pool)
-        for _ in range(first):
-            self._drafted_by[tree.add(-1, -1, 0.0)] = self.root_state  # tokens and probabilities: below
+        for rank in range(1, first + 1):
+            self._drafted_by[tree.add(-1, -1, 0.0, rank, 0.0)] = self.root_state  # tokens, probabilities: below
         process = list(range(first)) if self.route_head is not None or self.depth > 1 else []
         root_q, root_ids = self._process(process, ids[0, :first], root=(q, ids))
         for v in range(first):
-            tree.tokens[v], tree.path_probs[v] = int(root_ids[0, v]), float(root_q[0, v])
+            tree.tokens[v] = int(root_ids[0, v])
+            tree.path_probs[v] = tree.qs[v] = float(root_q[0, v])
         yield tree
         for level in range(2, self.depth + 1):
             newest = tree.level(level - 1)
@@ -181,11 +182,12 @@ class TreeDrafter:
         for parent in frontier:
             qs, ts = self._children[parent]
             base = tree.path_probs[parent]
-            candidates += [(base * p, parent, t) for p, t in zip(qs, ts)]
+            # rank: the child's place in its parent's top-k (1 = the drafter's top choice)
+            candidates += [(base * p, parent, t, rank, p) for rank, (p, t) in enumerate(zip(qs, ts), 1)]
         candidates.sort(key=lambda c: -c[0])
         added = []
-        for path_prob, parent, token in candidates[: self.max_pool - len(tree)]:
-            v = tree.add(parent, token, path_prob)
+        for path_prob, parent, token, rank, q in candidates[: self.max_pool - len(tree)]:
+            v = tree.add(parent, token, path_prob, rank, q)
             self._drafted_by[v] = self._out[parent][1]
             added.append(v)
         return added

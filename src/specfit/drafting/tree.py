@@ -1,10 +1,12 @@
 """Draft trees as plain data, and the attention layout that verifies one in a single forward.
 
 A *pool* node ``v`` has a parent (``-1``: a child of the root), a token (a target vocabulary id), a path probability
-(the product of draft probabilities from the root) and a depth (1 for children of the root). Parents come before
-children. The *root* is the last committed token, not yet in the target's KV cache; it is always verified. A
-*verify tree* is the root followed by a selected, ancestor-closed subset of the pool, in pool order: tree index 0 is
-the root, tree index ``j + 1`` is ``nodes[j]``.
+(the product of draft probabilities from the root), a depth (1 for children of the root), a *rank* among its siblings
+(1: the drafter's top choice at the parent, 2: its second, ...) and a *conditional draft probability* ``q`` (the
+drafter's probability of the token at the parent: ``path_prob / parent's path_prob``). Parents come before children.
+The *root* is the last committed token, not yet in the target's KV cache; it is always verified. A *verify tree* is
+the root followed by a selected, ancestor-closed subset of the pool, in pool order: tree index 0 is the root, tree
+index ``j + 1`` is ``nodes[j]``.
 """
 
 from __future__ import annotations
@@ -23,17 +25,25 @@ class DraftTree:
     tokens: list[int] = field(default_factory=list)
     path_probs: list[float] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # 1 = the drafter's top choice among the siblings
+    qs: list[float] = field(default_factory=list)  # conditional draft probability at the parent
 
     def __len__(self) -> int:
         return len(self.parents)
 
-    def add(self, parent: int, token: int, path_prob: float) -> int:
+    def add(self, parent: int, token: int, path_prob: float, rank: int = 1, q: float | None = None) -> int:
+        """Append a node; ``q`` defaults to ``path_prob / parent's path_prob`` (``path_prob`` for a root child)."""
         if parent >= len(self.parents):
             raise ValueError(f"parent {parent} must be an existing node (0..{len(self.parents) - 1}) or -1")
+        if q is None:
+            above = 1.0 if parent < 0 else self.path_probs[parent]
+            q = path_prob / above if above > 0 else 0.0
         self.parents.append(parent)
         self.tokens.append(token)
         self.path_probs.append(path_prob)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.ranks.append(rank)
+        self.qs.append(q)
         return len(self.parents) - 1
 
     @property

@@ -6,6 +6,10 @@ output token. Workloads: the first 40 CNN/DailyMail test articles (summarisation
 questions. Sweep: the equivalents of the paper's 48 / 24 / 12 / 0 slots of 128 (24 / 12 / 6 / none of the embedded
 model's 64). Regimes: no link cost (SpecFit's overhead) and an emulated host link (CPU, labelled as such). Output:
 the tables, a JSON of every figure, and a PNG of tok/s against slots. The paper's figures are printed apart.
+
+Acceptance: the SpecFit row logs every drafted child it labels, so the bench also prints the expected calibration
+error of per-node acceptance, the acceptance model's estimates against the raw draft probabilities (the paper's
+reward), per workload, and draws a reliability diagram per depth and rank (``reliability.png``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import reliability
 from .harness import (EMBEDDED_LINK_S, LABELS, METHODS, PAPER_METHODS, Row, format_table, load_instances,
                       paper_table, run_side_by_side, token_compute_seconds)
 
@@ -41,8 +46,8 @@ def add_arguments(p) -> None:
                         "takes --link-ms, standing in for a GPU's host link")
     p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), metavar="METHOD",
                    help=f"rows, of: {', '.join(METHODS)} (default: the paper's four, SpecFit with its default "
-                        f"deployable routes, plus SpecFit with exact routes from the oracle, the paper's measurement "
-                        f"device)")
+                        f"deployable routes, plus SpecFit with the paper's reward instead of calibrated acceptance, "
+                        f"and SpecFit with exact routes from the oracle, the paper's measurement device)")
     p.add_argument("--link-ms", type=float, default=EMBEDDED_LINK_S * 1e3,
                    help="emulated link: ms per expert copy, chosen so that a token's expert copies take ~1.4x its compute, as on "
                         "the paper's A100")
@@ -58,7 +63,7 @@ def main(args) -> int:
 
     torch.set_num_threads(args.threads)
     if args.methods is None:
-        args.methods = list(PAPER_METHODS) + ["specfit-oracle"]
+        args.methods = list(PAPER_METHODS) + ["specfit-paper", "specfit-oracle"]
     if args.quick:
         args.cnn_prompts, args.gsm8k_prompts, args.max_new_tokens = 4, 4, 32
     out_dir = Path(args.out)
@@ -81,6 +86,7 @@ def main(args) -> int:
           f"{ratio:.2f}x one token's compute on this machine (target ~1.4x, as on the paper's A100)")
 
     rows, started = [], time.time()
+    logs, cells = {}, []  # the SpecFit row's labelled children: per workload, and a summary per cell
     total_runs = len(regimes) * len(args.slots) * sum(len(p) for p in workloads.values())
     with tqdm(total=total_runs, desc="bench", unit="prompt") as bar:
         for regime, link_s in regimes.items():
@@ -89,21 +95,36 @@ def main(args) -> int:
                 instances, _ = load_instances(args.methods, n_slots, link_s, prepare=lambda model, method: (
                     _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
                 for w, prompts in workloads.items():
+                    watched = instances.get("specfit")
+                    if watched is not None:
+                        watched.specfit.acceptance_log = []
                     totals, _ = run_side_by_side(instances, prompts, args.max_new_tokens,
                                                  on_prompt=lambda i: bar.update(1))
                     label = "emulated link" if link_s else "no link"
                     rows += [Row.of(m, w, slots, label, len(prompts), c) for m, c in totals.items()]
+                    if watched is not None:
+                        log, watched.specfit.acceptance_log = watched.specfit.acceptance_log, None
+                        logs.setdefault(w, []).extend(log)
+                        cell = reliability.summary(log)
+                        cell.pop("by_depth_rank", None)
+                        cells.append(dict(regime=label, slots=slots, workload=w, **cell))
     report = _report(rows, args)
     print(report)
+    calibration = {w: reliability.summary(log) for w, log in logs.items()}
+    for w, summary in calibration.items():
+        print(reliability.describe(f"[{w}] SpecFit, all cells", summary))
     print()
     print(paper_table())
     result = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=platform.processor() or
                   platform.machine(), torch_threads=args.threads, link_ms=args.link_ms, link_to_compute=ratio,
                   max_new_tokens=args.max_new_tokens, methods=args.methods, wall_seconds=time.time() - started,
                   note="CPU; 'emulated link' rows use an emulated host-to-device link, not GPU speed",
-                  rows=[r.as_dict() for r in rows])
+                  rows=[r.as_dict() for r in rows],
+                  acceptance_calibration=dict(workloads=calibration, cells=cells))
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
     _plot(rows, out_dir / "tok_s_vs_slots.png")
+    if logs:
+        reliability.plot(logs, out_dir / "reliability.png")
     print(f"\nresults: {out_dir / 'results.json'}")
     return 0
 

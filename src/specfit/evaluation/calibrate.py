@@ -50,6 +50,7 @@ PROBES = json.loads(files("specfit.calibration").joinpath("probes.json").read_te
 # 2.2x its configuration's fastest, and whole rounds ran 14 to 22 ms per cycle. The minimum of 3 fitted with R^2
 # 0.96 (misses) where the median of 3 reached 0.75 and the median of 5 0.76.
 STATISTIC = "min"
+ACCEPTANCE_PROMPTS = 24  # --acceptance-only: calibration prompts (each decoded greedily and sampled)
 STABILITY_POOLS = 64  # recorded pools the selector-stability check uses (spread over the run)
 READ_THE_PLOT = ("how to read the plot: one point per probe configuration (its fastest repeat); filled dots are "
                  "the fit, hollow circles the same probes predicted by a fit that held them out; on the dashed "
@@ -273,13 +274,15 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the embedded drafter)")
     p.add_argument("--slots", type=int, default=None,
                    help="expert slots per MoE layer on the device (default: 3/8 of the model's experts per layer, "
-                        "the paper's 48 of 128: 24 for the embedded model's 64)")
+                        "the paper's 48 of 128: 24 for the embedded model's 64; with --acceptance-only, all of them)")
     p.add_argument("--cache-mode", choices=("cached", "cleared"), default="cached",
                    help="'cached': slots keep experts across forwards (LRU); 'cleared': emptied before every forward")
     p.add_argument("--prompts", default=PROBES["prompts"],
                    help="gsm8k (default, as in the paper), cnn, random (token ids; for checkpoints without a "
                         "tokenizer), or a local .jsonl with a 'question' or 'text' field")
-    p.add_argument("--num-prompts", type=int, default=PROBES["num_prompts"], help="prompts the probes decode")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"prompts to decode (default {PROBES['num_prompts']}; with --acceptance-only, "
+                        f"{ACCEPTANCE_PROMPTS})")
     p.add_argument("--probes", type=int, default=PROBES["probes"],
                    help="probe configurations (cycles) to fit on")
     p.add_argument("--repeats", type=int, default=PROBES["repeats"],
@@ -299,6 +302,11 @@ def add_arguments(p) -> None:
                    help="install the profile even when the fit fails the quality gate (enable() will warn)")
     p.add_argument("--plot", default=None,
                    help="PNG of predicted vs measured cycle time (default: beside the profile; needs matplotlib)")
+    p.add_argument("--acceptance-only", action="store_true",
+                   help="instead of the cost profile, fit the acceptance model's tables for the drafter: greedy and "
+                        "sampling labels from the EAGLE-3 assistant on GSM8K train questions and CNN/DailyMail "
+                        "articles from the end of the test file (--num-prompts of them, default 24), written to "
+                        "acceptance.json beside the drafter (or --out); --slots defaults to all experts")
 
 
 def main(args) -> int:
@@ -306,6 +314,9 @@ def main(args) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.acceptance_only:
+        return _acceptance_only(args)
+    args.num_prompts = args.num_prompts or PROBES["num_prompts"]
     t0 = time.perf_counter()
     model, tokenizer = _load(args)
     print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
@@ -331,6 +342,46 @@ def main(args) -> int:
     beside = str(path).removesuffix(".json") + ("" if installed else ".rejected") + ".png"
     plot_fit(result, args.plot or beside)
     return 0 if installed else 3
+
+
+def _acceptance_only(args) -> int:
+    """``--acceptance-only``: fit and write the drafter's acceptance tables (see evaluation/acceptance_tables.py)."""
+    from tqdm.auto import tqdm
+
+    from .acceptance_tables import calibration_prompts, describe as describe_tables, fit_tables
+    from ..selection.acceptance_model import FILENAME
+
+    if args.slots is None:
+        from transformers import AutoConfig
+
+        if args.model is None:
+            from .. import embedded
+
+            args.slots = AutoConfig.from_pretrained(embedded.TARGET_DIR).num_experts
+        else:
+            args.slots = AutoConfig.from_pretrained(args.model).num_experts
+    model, tokenizer = _load(args)
+    torch.set_num_threads(args.threads or (1 if model.specfit.device.type == "cpu" else torch.get_num_threads()))
+    if tokenizer is None:
+        raise ValueError("--acceptance-only decodes text prompts and needs the model's tokenizer")
+    if args.out:
+        out = Path(args.out)
+    else:
+        from .. import embedded
+
+        drafter = args.drafter or (embedded.DRAFTER_DIR if args.model is None else None)
+        if drafter is None or not Path(drafter).is_dir():
+            raise ValueError("--acceptance-only writes acceptance.json beside a local drafter folder; pass --drafter "
+                             "FOLDER or --out PATH")
+        out = Path(drafter) / FILENAME
+    prompts = calibration_prompts(tokenizer, args.num_prompts or ACCEPTANCE_PROMPTS)
+    with tqdm(total=2 * len(prompts), desc="acceptance labels (greedy, then sampling)", unit="prompt") as bar:
+        tables = fit_tables(model, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            progress=lambda done: bar.update(done - bar.n))
+    print(describe_tables(tables))
+    tables.save(out)
+    print(f"acceptance tables written to {out}")
+    return 0
 
 
 def install(cost: CostModel, path, force: bool = False) -> Path:

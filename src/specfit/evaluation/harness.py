@@ -33,6 +33,8 @@ METHODS = {
     "eagle3-vanilla": Method("EAGLE-3 vanilla", "eagle3", cleared=True),
     "eagle3": Method("EAGLE-3 + cache", "eagle3"),
     "specfit": Method("SpecFit + cache", "specfit"),  # the default: deployable routes (a predictor, else the gates)
+    # the paper's reward (1 + sum of path probabilities) instead of the calibrated acceptance model's path values
+    "specfit-paper": Method("SpecFit, paper reward", "specfit", options=(("acceptance", "paper"),)),
     # exact routes from an extra target forward per drafted level: the paper's measurement device
     "specfit-oracle": Method("SpecFit, exact routes*", "specfit", options=(("route_source", "oracle"),)),
     # variants: each route source on its own, prefetch, and the cache-aware cost option
@@ -73,6 +75,7 @@ class Row:
     tok_s_excluding_measurement: float  # the paper's figure: tok/s with the oracle's time taken out
     prefill_s: float
     end_to_end_tok_s: float  # prefill included
+    expected_over_committed: float = 0.0  # the assistant's expected committed tokens / the tokens committed
 
     @classmethod
     def of(cls, method, workload, slots, regime, prompts, c: Counters) -> "Row":
@@ -80,7 +83,8 @@ class Row:
         return cls(method, workload, slots, regime, prompts, c.new_tokens, c.tokens_per_second, c.nodes_per_cycle,
                    c.tokens_per_cycle, c.seconds_per_cycle * 1e3, c.copies_per_token, c.hit_rate,
                    per_token(c.prefetch_copies), per_token(c.prefetch_wasted), c.measurement_seconds,
-                   c.tokens_per_second_excluding_measurement, c.prefill_seconds, c.end_to_end_tokens_per_second)
+                   c.tokens_per_second_excluding_measurement, c.prefill_seconds, c.end_to_end_tokens_per_second,
+                   c.expected_over_committed)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -190,17 +194,20 @@ LEGEND = ("tok/s: new tokens per second of decoding, wall clock (what a stopwatc
           "nodes/cyc: draft nodes verified per decoding cycle (EAGLE-3 always verifies 7)",
           "tok/cyc: tokens committed per cycle (accepted draft tokens + 1 bonus token; AR: 1)",
           "cycle ms: wall clock per cycle (AR: per token)",
-          "copies/tok: host-to-device expert copies per new token (slot-cache misses + prefetches)")
+          "copies/tok: host-to-device expert copies per new token (slot-cache misses + prefetches)",
+          "exp/real: tokens the assistant expected its cycles to commit over those committed (EAGLE-3: its path "
+          "probabilities; SpecFit: its selector's expected tokens; 1.00 is right on average)")
 
 
 def format_table(rows: list[Row], title: str) -> str:
     measured = any(r.measurement_s > 0 for r in rows)
-    head = f"{'method':<25}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}{'copies/tok':>12}"
+    head = (f"{'method':<25}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}{'copies/tok':>12}"
+            f"{'exp/real':>10}")
     head += f"{'tok/s excl. oracle*':>21}" if measured else ""
     lines = [title, head, "-" * len(head)]
     for r in rows:
         line = (f"{LABELS[r.method]:<25}{r.tok_s:>8.1f}{r.nodes_per_cycle:>11.2f}{r.tokens_per_cycle:>9.2f}"
-                f"{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}")
+                f"{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}{r.expected_over_committed:>10.2f}")
         if measured:
             line += f"{r.tok_s_excluding_measurement:>21.1f}" if r.measurement_s > 0 else f"{'':>21}"
         lines.append(line)

@@ -51,6 +51,12 @@ class SpecFitRuntime:
         self.route_predictor = None
         self.aux_capture = None
         self.backoff = None  # SpecFit's drafting backoff, kept across generate() calls (decoding/assistants.py)
+        # SpecFit's acceptance model (selection/acceptance_model.py): the drafter's tables (set with the drafter;
+        # None: the default prior), the online models learned from them per decoding mode (kept across generate()
+        # calls), and, when set to a list, a log of (depth, rank, q, estimate, label) per labelled child
+        self.acceptance_tables = None
+        self.acceptance_models: dict = {}
+        self.acceptance_log: list | None = None
         self._restore = None  # what disable() needs; set by enable()
 
     @property

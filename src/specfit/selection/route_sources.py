@@ -34,6 +34,7 @@ class Cycle:
     cache: object
     base: int  # committed positions in the target KV cache; the root goes to position `base`
     root: int  # the root token
+    sampling: bool = False  # do_sample: the acceptance model keeps a table per decoding mode
     measurement_seconds: float = 0.0  # measurement-only work in this cycle (the oracle): shown apart, still timed
     drafter: object = None  # the TreeDrafter of this cycle (route predictors read node states from it)
 

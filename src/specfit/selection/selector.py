@@ -3,12 +3,14 @@
 Vocabulary (the paper's):
 
 - *pool*: the draft tree the drafter expanded, as parallel arrays. Node ``v`` has a parent ``parents[v]`` (``-1`` for
-  a child of the root token, which is the last committed token and is always verified) and a *path probability*
-  ``path_probs[v]``, the draft probability that every token from the root down to ``v`` is accepted.
+  a child of the root token, which is the last committed token and is always verified) and a *path value*
+  ``path_values[v]``, the probability that every token from the root down to ``v`` is accepted: the product of the
+  acceptance model's estimates along the path (``acceptance_model.py``), or, with the paper's reward, the path
+  probability (the product of draft probabilities).
 - *routes*: the experts each token routes to, a bool array ``[num_nodes, num_layers, num_experts]``.
 - *expert demand* of a subtree ``S``: ``sum over layers of |experts of the root and of S in that layer|``. A node pays
   only for experts that no other verified token already asks for.
-- *ratio*: ``(1 + sum_{v in S} path_probs[v]) / (intercepts[|S|] + beta * demand(S))``, expected committed tokens
+- *ratio*: ``(1 + sum_{v in S} path_values[v]) / (intercepts[|S|] + beta * demand(S))``, expected committed tokens
   (the root's bonus token included) over the predicted cycle time. The selector returns the subtree with the largest
   ratio.
 
@@ -36,7 +38,7 @@ class Selection:
 
     Attributes:
         nodes: pool indices of the verified draft nodes, sorted; ``()`` verifies the root alone.
-        expected_tokens: ``1 + sum of their path probabilities`` (the root's token included).
+        expected_tokens: ``1 + sum of their path values`` (the root's token included).
         predicted_time: ``intercepts[len(nodes)] + beta * demand``, in the cost model's unit (seconds).
         ratio: ``expected_tokens / predicted_time``.
         demand: expert demand, ``sum over layers of |union of the experts of the root and the nodes|``.
@@ -51,12 +53,12 @@ class Selection:
     subtrees: int = 0
 
 
-def select_subtree(parents, path_probs, routes, root_routes, cost, max_nodes: int = 7) -> Selection:
+def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: int = 7) -> Selection:
     """Return the ancestor-closed subtree of at most ``max_nodes`` pool nodes with the largest ratio.
 
     Args:
         parents: ``[N]`` ints, the parent's pool index or ``-1``; a parent comes before its children.
-        path_probs: ``[N]`` finite, non-negative floats.
+        path_values: ``[N]`` finite, non-negative floats (path values, or path probabilities for the paper's reward).
         routes: ``[N, num_layers, num_experts]`` bool (any 0/1 array-like; non-zero counts as routed).
         root_routes: ``[num_layers, num_experts]`` bool, the root token's experts (always paid).
         cost: a ``CostModel`` (anything with ``intercepts`` and ``beta``); ``intercepts[n]`` is the fixed time of a
@@ -85,7 +87,7 @@ def select_subtree(parents, path_probs, routes, root_routes, cost, max_nodes: in
     >>> sel.nodes, sel.demand, round(sel.ratio, 6)
     ((0, 2), 2, 1.0)
     """
-    parents, probs = _check_tree(parents, path_probs)
+    parents, probs = _check_tree(parents, path_values)
     intercepts, beta = _check_cost(cost, max_nodes)
     flat, full_bits, root_bits = _pack_routes(routes, root_routes, len(parents))
     shared_bits, own, root_demand = _split_demand(parents, flat, full_bits, root_bits)
@@ -184,17 +186,17 @@ def _selection(nodes, probs, node_bits, root_bits, intercepts, beta, subtrees) -
     return Selection(nodes, expected, time, expected / time, demand, subtrees)
 
 
-def _check_tree(parents, path_probs) -> tuple[list[int], list[float]]:
+def _check_tree(parents, path_values) -> tuple[list[int], list[float]]:
     parents = [int(p) for p in parents]
-    probs = [float(x) for x in path_probs]
+    probs = [float(x) for x in path_values]
     if len(probs) != len(parents):
-        raise ValueError(f"path_probs has {len(probs)} entries but parents has {len(parents)}")
+        raise ValueError(f"path_values has {len(probs)} entries but parents has {len(parents)}")
     for v, p in enumerate(parents):
         if not -1 <= p < v:
             raise ValueError(f"parents[{v}] = {p}: a parent must come before its child (-1 <= parent < {v})")
     for v, x in enumerate(probs):
         if not (math.isfinite(x) and x >= 0.0):
-            raise ValueError(f"path_probs[{v}] = {x}: path probabilities must be finite and >= 0")
+            raise ValueError(f"path_values[{v}] = {x}: path values must be finite and >= 0")
     return parents, probs
 
 

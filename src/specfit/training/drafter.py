@@ -6,7 +6,8 @@ batch; forward hooks on its decoder layers ``aux_layer_ids`` give the three feat
 logits are the soft labels. The loss is the training-time-test unroll of ``ttt_loss`` (``--ttt-steps`` deep,
 weights 0.8^j). AdamW with warm-up then cosine over a fixed number of steps; checkpoints (drafter, optimizer, RNG,
 step) let ``--resume`` continue exactly. The final folder holds the drafter in the SpecForge layout (no embedding:
-it is the target's), ``training_report.json`` and a model card. The report's held-out per-depth accuracy is measured
+it is the target's), ``training_report.json``, a model card and ``acceptance.json``, the acceptance model's starting
+tables for this drafter (``evaluation/acceptance_tables.py``). The report's held-out per-depth accuracy is measured
 on the saved weights, and the mean acceptance length end to end with ``generate(assistant="eagle3")``.
 """
 
@@ -287,6 +288,27 @@ def measure(target_dir: Path, out: Path, data: Responses, heldout_idx: list[int]
         "lossless": {"prompts": len(plain), "assistants": ["eagle3", "specfit"], "equal_to_plain_generate": lossless}}
 
 
+def fit_acceptance(target_dir: Path, out: Path, num_prompts: int = 24, max_new_tokens: int = 64,
+                   seed: int = 0) -> dict:
+    """The acceptance model's tables for the SAVED drafter, written beside it (``acceptance.json``); their meta."""
+    from transformers import AutoModelForCausalLM
+
+    from ..evaluation.acceptance_tables import calibration_prompts, fit_tables
+    from ..selection.acceptance_model import FILENAME
+    from .tokenizer import load_tokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    specfit.enable(target, cache_slots=target.config.num_experts, drafter=str(out))  # all experts resident
+    try:
+        tables = fit_tables(target, calibration_prompts(load_tokenizer(target_dir), num_prompts), max_new_tokens,
+                            seed=seed)
+    finally:
+        specfit.disable(target)
+    tables.save(out / FILENAME)
+    (out / FILENAME).chmod(0o644)
+    return tables.meta
+
+
 # --------------------------------------------------------------------------------------------- model card
 
 
@@ -367,7 +389,16 @@ def model_card(report: dict) -> str:
                      f"{a['nodes_per_cycle']:.2f} |")
     ll = report["lossless"]
     lines += ["", f"Greedy output with both assistants equals plain `generate()` on {ll['prompts']} of these prompts: "
-              f"{ll['equal_to_plain_generate']}.", "", "Held-out metrics during training:", "",
+              f"{ll['equal_to_plain_generate']}.", ""]
+    tables = report.get("acceptance_tables")
+    if tables:
+        lines += ["`acceptance.json` holds SpecFit's acceptance model's starting tables for this drafter (greedy and "
+                  "sampling acceptance by depth, sibling rank and draft probability), fitted on labels from the "
+                  f"EAGLE-3 assistant on {tables['prompts']} calibration prompts (GSM8K train questions, CNN/DailyMail "
+                  f"articles from the end of the test file; {tables['labels']['greedy']} greedy and "
+                  f"{tables['labels']['sampling']} sampling labels). Refit with "
+                  "`specfit calibrate --acceptance-only --drafter FOLDER`.", ""]
+    lines += ["Held-out metrics during training:", "",
               "| step | train wall (s) | lr | held-out acc per depth | held-out loss per depth |", "|---|---|---|---|---|"]
     lines += [f"| {h['step']} | {h['train_wall_s']} | {h['lr']:.2e} | " + " / ".join(f"{a:.3f}" for a in h["heldout_acc"])
               + " | " + " / ".join(f"{x:.3f}" for x in h["heldout_loss"]) + " |" for h in report["history"]]
@@ -426,6 +457,8 @@ def main(args) -> int:
     del target
     final = measure(target_dir, out, data, heldout_idx, cfg, gsm_prompts=args.eval_gsm8k, cnn_prompts=args.eval_cnn,
                     max_new_tokens=args.eval_new_tokens)
+    final["acceptance_tables"] = fit_acceptance(target_dir, out, args.acceptance_prompts, args.eval_new_tokens,
+                                                seed=args.seed)
     report = {
         "drafter_config": drafter.config.to_dict(), "params": params, "train": asdict(cfg),
         "responses": asdict(rcfg),
@@ -476,6 +509,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-new-tokens", type=int, default=96, help="new tokens per acceptance prompt")
     parser.add_argument("--eval-gsm8k", type=int, default=20, help="GSM8K test questions for the acceptance length")
     parser.add_argument("--eval-cnn", type=int, default=10, help="CNN/DailyMail test articles for the acceptance length")
+    parser.add_argument("--acceptance-prompts", type=int, default=24,
+                        help="calibration prompts for the acceptance model's tables (acceptance.json)")
     parser.add_argument("--data-dir", help="local data folder (else SPECFIT_DATA_DIR or ../shared/data)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
