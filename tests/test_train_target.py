@@ -134,6 +134,25 @@ def test_resume_reproduces_the_uninterrupted_run(streams, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_a_finished_run_extended_by_a_second_phase_equals_one_run_with_both(streams, tmp_path):
+    """--continue-steps after a finished run (resumed from its last checkpoint) trains exactly what one run with
+    both phases trains: phase 1 does not depend on phase 2; another phase 2 is refused once it has begun."""
+    from dataclasses import replace
+
+    both = replace(small_cfg(8), continue_steps=4, continue_lr=1e-3, continue_gsm8k_share=0.8)
+    straight = tiny_model()
+    train(straight, streams, both, tmp_path / "a", progress=False)
+    train(tiny_model(), streams, small_cfg(8), tmp_path / "b", progress=False)  # phase 1 alone, finished
+    extended = tiny_model(seed=7)
+    state = train(extended, streams, both, tmp_path / "b", resume=True, progress=False)
+    assert state["step"] == 12 and state["history"][-1]["step"] == 12
+    for (name, a), b in zip(straight.state_dict().items(), extended.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert lr_at(8, both) < lr_at(9, both) and lr_at(11, both) < 1e-3  # a warm restart, then down
+    with pytest.raises(ValueError, match="another second phase"):
+        train(tiny_model(), streams, replace(both, continue_steps=6), tmp_path / "b", resume=True, progress=False)
+
+
 def test_cli_run_saves_a_loadable_folder(data_folder, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

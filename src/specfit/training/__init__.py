@@ -11,12 +11,17 @@ def default_work_dir(command: str) -> Path:
     return cache_root() / "work" / command
 
 
-def load_checkpoint(path: Path, config: dict) -> dict:
+def load_checkpoint(path: Path, config: dict, extensions: dict | None = None) -> dict:
     """A training checkpoint written with the same ``config``; another config is refused, since the schedule and
-    the batches depend on every field."""
+    the batches depend on every field. ``extensions``: fields (name -> default) that only shape steps after the
+    checkpoint's: a checkpoint written without them, or with other values, may continue under these ones."""
     import torch
 
     saved = torch.load(path, weights_only=False)
-    if saved["config"] != config:
+    extensions = extensions or {}
+    fixed = {k: v for k, v in config.items() if k not in extensions}
+    written = {k: v for k, v in saved["config"].items() if k not in extensions}
+    if written != fixed:
         raise ValueError(f"{path} was written with {saved['config']}, not {config}")
+    saved["config"] = config
     return saved

@@ -56,6 +56,12 @@ class TrainConfig:
     betas: tuple = (0.9, 0.95)
     weight_decay: float = 0.1    # not on norms, router or embeddings
     grad_clip: float = 1.0
+    # a second phase after `steps` (0: none): a warm restart to `continue_lr`, then cosine to min_lr_ratio * lr
+    # over `continue_steps`, with windows drawn from GSM8K with probability `continue_gsm8k_share`. A run stopped
+    # after phase 1 can be continued with these set (--resume): phase 1 is the same either way
+    continue_steps: int = 0
+    continue_lr: float = 1.5e-3
+    continue_gsm8k_share: float = 0.5
     eval_every: int = 200        # steps between validation passes
     eval_windows: int = 16       # windows per source in a periodic validation pass
     ckpt_every: int = 200        # steps between checkpoints
@@ -71,8 +77,24 @@ def make_config(preset: str = "embedded", **overrides):
     return Qwen3MoeConfig(**{**PRESETS[preset], **COMMON, "output_router_logits": True, **overrides})
 
 
+CONTINUATION = {"continue_steps": 0, "continue_lr": 1.5e-3, "continue_gsm8k_share": 0.5}
+
+
+def total_steps(cfg: TrainConfig) -> int:
+    return cfg.steps + cfg.continue_steps
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then cosine to ``min_lr_ratio * lr``."""
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then cosine to ``min_lr_ratio * lr``; in
+    the second phase (steps ``cfg.steps``..), a linear warm restart to ``continue_lr`` over ``warmup_steps // 2``,
+    then cosine to ``min_lr_ratio * lr``."""
+    if step >= cfg.steps:
+        k, warm = step - cfg.steps, max(1, cfg.warmup_steps // 2)
+        if k < warm:
+            return cfg.continue_lr * (k + 1) / warm
+        progress = min(1.0, (k - warm) / max(1, cfg.continue_steps - warm))
+        floor = cfg.min_lr_ratio * cfg.lr
+        return floor + (cfg.continue_lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
@@ -153,9 +175,14 @@ def save_checkpoint(path: Path, model, opt, sampler, state: dict) -> None:
     os.replace(tmp, path)  # atomic: an interrupted save never leaves a half-written checkpoint
 
 
+def _phase2(cfg: TrainConfig) -> dict:
+    return {k: getattr(cfg, k) for k in CONTINUATION}
+
+
 def train(model, streams: dict, cfg: TrainConfig, work: Path, resume: bool = False, stop_at: int | None = None,
           progress: bool = True) -> dict:
-    """Run (or continue) training to ``cfg.steps``; stop early after step ``stop_at`` (checkpointed) if given.
+    """Run (or continue) training to ``cfg.steps`` (+ ``cfg.continue_steps``); stop early after step ``stop_at``
+    (checkpointed) if given.
 
     Returns the run state: ``step``, ``train_wall_s`` and ``history`` (one dict per validation pass).
     """
@@ -170,17 +197,26 @@ def train(model, streams: dict, cfg: TrainConfig, work: Path, resume: bool = Fal
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / CHECKPOINT
     if resume and ckpt.is_file():
-        saved = load_checkpoint(ckpt, asdict(cfg))
+        saved = load_checkpoint(ckpt, asdict(cfg), extensions=CONTINUATION)
+        if saved["step"] > cfg.steps and saved.get("phase2") != _phase2(cfg):
+            raise ValueError(f"{ckpt} is past step {cfg.steps} under another second phase ({saved.get('phase2')}); "
+                             f"resume it with those settings")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         sampler.load_state_dict(saved["sampler"])
         torch.set_rng_state(saved["torch_rng"])
         state = {k: saved[k] for k in state}
+    state["phase2"] = _phase2(cfg)
     run_ce, run_aux, run_n = 0.0, 0.0, 0
-    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, mininterval=5.0, dynamic_ncols=True)
-    while state["step"] < cfg.steps:
+    last = total_steps(cfg)
+    bar = tqdm(total=last, initial=state["step"], disable=not progress, mininterval=5.0, dynamic_ncols=True)
+    while state["step"] < last:
         t0 = time.perf_counter()
         step = state["step"]
+        if step >= cfg.steps:  # the second phase's mixture (the sampler's random stream goes on unchanged)
+            share = cfg.continue_gsm8k_share
+            sampler.probs = np.array([share if src == "gsm8k" else 1.0 - share for src in sampler.sources])
+            sampler.probs = sampler.probs / sampler.probs.sum()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         _, ce, aux = train_step(model, torch.from_numpy(sampler.sample(cfg.batch_size)))
@@ -192,7 +228,7 @@ def train(model, streams: dict, cfg: TrainConfig, work: Path, resume: bool = Fal
         run_ce, run_aux, run_n = run_ce + ce, run_aux + aux, run_n + 1
         bar.update(1)
         bar.set_postfix(ce=f"{ce:.3f}", aux=f"{aux:.2f}", lr=f"{lr_at(step - 1, cfg):.1e}", refresh=False)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step % cfg.eval_every == 0 or step in (cfg.steps, last):
             record = {"step": step, "tokens": step * cfg.batch_size * cfg.seq_len,
                       "train_wall_s": round(state["train_wall_s"], 1), "lr": lr_at(step - 1, cfg),
                       "train_ce": run_ce / run_n, "aux": run_aux / run_n,
@@ -200,7 +236,7 @@ def train(model, streams: dict, cfg: TrainConfig, work: Path, resume: bool = Fal
             state["history"].append(record)
             run_ce, run_aux, run_n = 0.0, 0.0, 0
             bar.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        if step % cfg.ckpt_every == 0 or step == cfg.steps or step == stop_at:
+        if step % cfg.ckpt_every == 0 or step in (cfg.steps, last) or step == stop_at:
             save_checkpoint(ckpt, model, opt, sampler, state)
         if stop_at is not None and step >= stop_at:
             break
@@ -317,8 +353,12 @@ def model_card(report: dict) -> str:
         f"({report['tokens_seen'] / 1e6:.1f} M tokens), lr {tr['lr']} (betas {tuple(tr['betas'])}, weight decay "
         f"{tr['weight_decay']} except norms, router and embeddings), {tr['warmup_steps']} warm-up steps then cosine "
         f"to {tr['min_lr_ratio']:g} x lr, grad clip {tr['grad_clip']}, router aux loss coefficient "
-        f"{cfg['router_aux_loss_coef']}, seed {tr['seed']}. Training took {report['train_wall_s'] / 60:.1f} min on a shared 2-core "
-        f"CPU with {report['threads']} torch thread(s) (`specfit train-target`).", "",
+        f"{cfg['router_aux_loss_coef']}, seed {tr['seed']}."
+        + (f" Then a second phase of {tr['continue_steps']} steps: a warm restart to lr {tr['continue_lr']} over "
+           f"{max(1, tr['warmup_steps'] // 2)} steps, cosine to {tr['min_lr_ratio'] * tr['lr']:g}, windows drawn from "
+           f"GSM8K with probability {tr['continue_gsm8k_share']:g}." if tr.get("continue_steps") else "")
+        + f" Training took {report['train_wall_s'] / 60:.1f} min on a shared 2-core CPU with {report['threads']} torch "
+        f"thread(s). Command: `{report.get('command', 'specfit train-target')}`.", "",
         "## Validation (saved bf16 weights, evaluated in fp32)", "",
         "| held-out text | windows x tokens | cross-entropy (nats/token) | perplexity |", "|---|---|---|---|"]
     n_val = corp["documents"]["val"]
@@ -352,7 +392,9 @@ def main(args) -> int:
     work = Path(args.work_dir) if args.work_dir else default_work_dir("train-target")
     work.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      warmup_steps=args.warmup, eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed)
+                      warmup_steps=args.warmup, eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed,
+                      continue_steps=args.continue_steps, continue_lr=args.continue_lr,
+                      continue_gsm8k_share=args.continue_gsm8k_share)
     t0 = time.time()
     tokenizer, streams, info = prepare_data(work, PRESETS[args.preset]["vocab_size"], cfg.seed, reuse=args.resume)
     print(f"corpus: {json.dumps(info['tokens'])}, tokenizer vocab {len(tokenizer)} ({time.time() - t0:.0f} s)")
@@ -360,14 +402,14 @@ def main(args) -> int:
     model = Qwen3MoeForCausalLM(make_config(args.preset))
     print(f"model: preset {args.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params")
     state = train(model, streams, cfg, work, resume=args.resume, stop_at=args.stop_at, progress=not args.quiet)
-    if state["step"] < cfg.steps:
-        print(f"stopped at step {state['step']} of {cfg.steps}; continue with --resume")
+    if state["step"] < total_steps(cfg):
+        print(f"stopped at step {state['step']} of {total_steps(cfg)}; continue with --resume")
         return 0
     save_final(model, tokenizer, out)
     final = measure(out, streams, cfg.seq_len, args.final_eval_windows, args.stats_windows)
     report = {"preset": args.preset, "model_config": {**PRESETS[args.preset], **COMMON},
               "params": sum(p.numel() for p in model.parameters()), "train": asdict(cfg), "corpus": info,
-              "threads": torch.get_num_threads(),
+              "threads": torch.get_num_threads(), "command": command_line(args),
               "steps": state["step"], "tokens_seen": state["step"] * cfg.batch_size * cfg.seq_len,
               "train_wall_s": round(state["train_wall_s"], 1), "process_wall_s": round(time.time() - t0, 1),
               "history": state["history"], **final}
@@ -381,6 +423,19 @@ def main(args) -> int:
     return 0
 
 
+def command_line(args) -> str:
+    """The command that reproduces this run: the options that shape the model and its training, folders left out."""
+    import argparse
+
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    base = vars(defaults.parse_args(["--out", "x"]))
+    keep = ("preset", "steps", "seed", "batch_size", "seq_len", "lr", "warmup", "continue_steps", "continue_lr",
+            "continue_gsm8k_share", "threads")
+    extra = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in keep if getattr(args, k) != base[k]]
+    return " ".join(["specfit train-target --out FOLDER", *extra])
+
+
 def add_arguments(parser) -> None:
     d = TrainConfig()
     parser.add_argument("--out", required=True, help="folder for the final model, tokenizer, model card and report")
@@ -388,6 +443,12 @@ def add_arguments(parser) -> None:
                                            "(default: the user cache, ~/.cache/specfit/work/train-target)")
     parser.add_argument("--preset", default="embedded", choices=sorted(PRESETS), help="model size")
     parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (the schedule's length)")
+    parser.add_argument("--continue-steps", type=int, default=d.continue_steps,
+                        help="a second phase of this many steps after --steps: a warm restart to --continue-lr, then "
+                             "cosine down (a finished run can be extended with --resume)")
+    parser.add_argument("--continue-lr", type=float, default=d.continue_lr, help="the second phase's peak learning rate")
+    parser.add_argument("--continue-gsm8k-share", type=float, default=d.continue_gsm8k_share,
+                        help="share of the second phase's windows drawn from GSM8K (the rest from OpenStax)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for splits, init and window sampling")
     parser.add_argument("--data-dir", help="local data folder (else SPECFIT_DATA_DIR or ../shared/data)")
     parser.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt if present")
