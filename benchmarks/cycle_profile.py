@@ -29,7 +29,7 @@ from specfit.decoding import acceptance, assistants, loop
 from specfit.drafting import drafter as drafter_module
 from specfit.drafting import levels, tree
 from specfit.evaluation import datasets
-from specfit.evaluation.harness import EMBEDDED_LINK_S, METHODS, load_instances
+from specfit.evaluation.harness import METHODS, link_seconds, load_instances
 from specfit.offload import experts, link
 from specfit.selection import route_predictor, route_sources, selector
 from specfit.stats import GenerateScope
@@ -121,7 +121,9 @@ class Profiler:
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     methods = args.methods
-    instances, tokenizer = load_instances(methods, args.slots, args.link_ms / 1e3 if args.link_ms else None)
+    link = link_seconds(args.link_ms if args.link_ms != 0 else None)[0] if args.link_ms != 0 else None
+    args.link_ms = link.seconds_per_expert * 1e3 if link is not None else 0
+    instances, tokenizer = load_instances(methods, args.slots, link)
     prompts = [tokenizer(t, return_tensors="pt").input_ids[:, -450:]
                for t in datasets.prompts(args.workload, args.prompts, max_chars=1800)]
     prof = Profiler()
@@ -207,7 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--slots", type=int, default=12)
-    p.add_argument("--link-ms", type=float, default=EMBEDDED_LINK_S * 1e3, help="0: no link")
+    p.add_argument("--link-ms", type=float, default=None,
+                   help="emulated ms per expert copy; 0: no link (default: the embedded model's structural default)")
     p.add_argument("--methods", nargs="+", default=["ar", "eagle3", "specfit"], choices=list(METHODS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None, help="folder for profile.json and profile.md")

@@ -19,7 +19,6 @@ import warnings
 import torch
 
 import specfit
-from specfit.evaluation.harness import EMBEDDED_LINK_S
 
 PROMPTS = [
     "Question: Tom has 3 boxes with 12 apples in each box. He gives away 10 apples. How many apples are left?\n"
@@ -40,7 +39,7 @@ def main() -> int:
     counts = {name: default if name == "default" else int(name) for name in args.threads}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the thread-count notice: what this script measures
-        model, tokenizer = specfit.embedded.load(24, link=EMBEDDED_LINK_S)
+        model, tokenizer = specfit.embedded.load(24, link=specfit.embedded.default_link_seconds())
     figures = {name: {} for name in counts}
     for r in range(args.rounds):
         for name, n in counts.items():

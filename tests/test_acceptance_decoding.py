@@ -16,6 +16,7 @@ from specfit.evaluation import reliability
 from specfit.patch import configure, set_drafter
 from specfit.selection.acceptance_model import FILENAME, AcceptanceTable, AcceptanceTables
 from specfit.selection.cost_model import CostModel
+from specfit.transfer import Staging
 
 PROMPT = torch.randint(2, 256, (1, 8), generator=torch.Generator().manual_seed(8))
 COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.01)
@@ -32,7 +33,7 @@ def pool() -> DraftTree:
 
 
 def layout_of(tree, nodes):
-    return verify_layout(tree, nodes, root_token=2, base=4, kv_len=16, dtype=torch.float32, device="cpu")
+    return verify_layout(tree, nodes, root_token=2, base=4, kv_len=16, dtype=torch.float32, staging=Staging("cpu"))
 
 
 def test_tree_keeps_rank_and_conditional_probability():

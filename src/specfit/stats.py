@@ -60,6 +60,9 @@ class Counters:
     - ``nodes_drafted``: draft pool size summed over cycles. ``nodes_verified``: draft nodes in the verified subtrees
       (the root not counted). ``tokens_committed``: accepted draft tokens plus the bonus token, summed over cycles.
     - ``new_tokens``: tokens ``generate()`` returned (plain decoding too).
+    - ``expected_tokens``: the tokens the assistant expected its cycles to commit, summed (SpecFit: its selector's
+      winner, in path values; EAGLE-3: ``1 + sum of path probabilities`` of its verified nodes; plain decoding: 1 per
+      step), beside ``tokens_committed``: ``expected_over_committed`` is 1.0 when the estimates are right on average.
     - ``prefill_seconds``: wall clock from ``generate()``'s entry to the end of the prompt's forward.
       ``decode_seconds``: wall clock of everything after it; the two add up to a stopwatch around the call.
       ``measurement_seconds``: the part of ``decode_seconds`` spent on measurement only (the route oracle).

@@ -19,11 +19,17 @@ MODEL_ID = "specfit/embedded-qwen3-moe"  # the model id cost profiles are filed 
 FASTEST_THREADS = 1
 
 
+# the paper's A100 (Qwen3-30B-A3B over PCIe 4.0): copying one token's full expert demand takes ~1.4x that token's
+# compute. The embedded model's emulated link keeps that ratio on whatever CPU it runs (default_link_seconds)
+DEMAND_TO_COMPUTE = 1.4
+
+
 class ThreadsNotice(UserWarning):
     """torch's CPU thread count would slow the embedded model down (issued once per process)."""
 
 
 _threads_noticed = False
+_link: dict = {}  # torch thread count -> (seconds per copy, one token's compute seconds)
 
 
 def available() -> bool:
@@ -63,3 +69,73 @@ def advise_threads(threads: int) -> None:
                   f"decoding ran up to 7x slower). Call torch.set_num_threads({FASTEST_THREADS}) before generating; "
                   f"SpecFit leaves this process-wide setting to you (`specfit demo` and `specfit bench` set it "
                   f"themselves).", ThreadsNotice, stacklevel=3)
+
+
+def default_link_seconds(refresh: bool = False) -> float:
+    """Seconds per expert copy of the emulated host link the demo and the bench use by default: 1.4 x (one token's
+    compute with every expert resident) / (layers x top-k), so that, as on the paper's A100, copying a token's full
+    expert demand costs 1.4x its compute on this machine. Measured once per process and thread count (the fastest
+    of interleaved rounds of decode forwards), ``refresh=True`` measures again; ``token_compute_seconds()`` gives
+    the compute it was derived from."""
+    return _measured_link(refresh)[0]
+
+
+def default_link(ratio: float = 1.0):
+    """The ``LinkConfig`` of the structural default link (``ratio`` x ``default_link_seconds()`` per copy), labelled
+    by that rule: its cost profiles are found on any machine, whatever the ms there."""
+    from ..offload.link import LinkConfig
+
+    return LinkConfig(seconds_per_expert=ratio * default_link_seconds(), relative=ratio)
+
+
+def token_compute_seconds(refresh: bool = False) -> float:
+    """One decode forward of the embedded model with every expert resident and no link (what the link is scaled to)."""
+    return _measured_link(refresh)[1]
+
+
+def _measured_link(refresh: bool) -> tuple[float, float]:
+    import torch
+
+    key = torch.get_num_threads()
+    if refresh or key not in _link:
+        model, tokenizer = load(_num_experts(), drafter=False)
+        ids = tokenizer("Question: A farmer has 12 cows and buys 5 more. How many cows does he have?\nAnswer:",
+                        return_tensors="pt").input_ids
+        compute = fastest_forward_seconds(model, ids)
+        demand = model.config.num_hidden_layers * model.config.num_experts_per_tok
+        _link[key] = (DEMAND_TO_COMPUTE * compute / demand, compute)
+    return _link[key]
+
+
+def fastest_forward_seconds(model, ids, rounds: int = 5, per_round: int = 8) -> float:
+    """One decode forward after ``ids``: the fastest of ``rounds`` rounds, each the median of ``per_round`` forwards
+    (the fastest round is the one least disturbed by whatever else the machine runs)."""
+    import statistics
+    import time
+
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    token = ids[:, -1:]
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        model(token, cache=cache, use_cache=True)  # warm-up
+        cache.crop(-1)
+        medians = []
+        for _ in range(rounds):
+            times = []
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                model(token, cache=cache, use_cache=True)
+                times.append(time.perf_counter() - t0)
+                cache.crop(-1)
+            medians.append(statistics.median(times))
+    return min(medians)
+
+
+def _num_experts() -> int:
+    import json
+
+    config = json.loads((TARGET_DIR / "config.json").read_text())
+    return config.get("num_experts") or config["num_local_experts"]

@@ -1,11 +1,18 @@
-"""``specfit bench``: the paper's table reproduced on the embedded model.
+"""``specfit bench``: the paper's table reproduced on the embedded model, and a regime map.
 
 Rows: AR, EAGLE-3 vanilla (cache cleared before every forward), EAGLE-3 with the cache, SpecFit with the same
-cache. Columns: tok/s, draft nodes verified per cycle, tokens committed per cycle, cycle time, expert copies per
-output token. Workloads: the first 40 CNN/DailyMail test articles (summarisation prompt) and the first 80 GSM8K test
-questions. Sweep: the equivalents of the paper's 48 / 24 / 12 / 0 slots of 128 (24 / 12 / 6 / none of the embedded
-model's 64). Regimes: no link cost (SpecFit's overhead) and an emulated host link (CPU, labelled as such). Output:
-the tables, a JSON of every figure, and a PNG of tok/s against slots. The paper's figures are printed apart.
+cache, transformers' own prompt-lookup decoding on the same offloaded model. Columns: tok/s of whole generate() calls
+(wall clock, everything included) and of the decode phase, draft nodes verified per cycle, tokens committed per
+cycle, cycle time, expert copies per output token. Workloads: the first 40 CNN/DailyMail test articles
+(summarisation prompt) and the first 80 GSM8K test questions. Sweep: the equivalents of the paper's 48 / 24 / 12 / 0
+slots of 128 (24 / 12 / 6 / none of the embedded model's 64). Regimes: no link cost (SpecFit's overhead) and an
+emulated host link (CPU, labelled as such) whose cost per expert copy follows from the model's structure: a token's
+full expert demand costs 1.4x its compute, as on the paper's A100 (``--link-ms`` sets it). Output: the tables, a
+JSON of every figure, and a PNG of tok/s against slots. The paper's figures are printed apart.
+
+``--map``: the regime map, SpecFit / AR and SpecFit / EAGLE-3 (whole calls, wall clock) over link ratios (none,
+0.5x, 1x, 2x the paper's) and slot counts (6, 12, 24, all 64), a few prompts per cell, drawn as heat maps
+(``regime_map.png``): where speculation pays, and that SpecFit never loses much where it does not.
 
 Acceptance: the SpecFit row logs every drafted child it labels, so the bench also prints the expected calibration
 error of per-node acceptance, the acceptance model's estimates against the raw draft probabilities (the paper's
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import json
 import platform
+from dataclasses import replace
 import sys
 import time
 from datetime import datetime, timezone
@@ -24,11 +32,14 @@ from pathlib import Path
 import torch
 
 from . import reliability
-from .harness import (EMBEDDED_LINK_S, LABELS, METHODS, PAPER_METHODS, Row, format_table, load_instances,
-                      paper_table, run_side_by_side, token_compute_seconds)
+from .harness import (LABELS, METHODS, PAPER_METHODS, Row, format_table, link_seconds, load_instances,
+                      paper_table, side_by_side)
 
 SLOTS = ("24", "12", "6", "none")
-REGIMES = {"no-link": None, "emulated": EMBEDDED_LINK_S}
+REGIMES = ("no-link", "emulated")
+MAP_RATIOS = (0.0, 0.5, 1.0, 2.0)  # the emulated link as multiples of the structural default (0: no link)
+MAP_SLOTS = (6, 12, 24, 64)
+MAP_METHODS = ("ar", "eagle3", "specfit", "prompt-lookup")
 MAX_PROMPT_TOKENS = 450
 
 
@@ -48,27 +59,31 @@ def add_arguments(p) -> None:
                    help=f"rows, of: {', '.join(METHODS)} (default: the paper's four, SpecFit with its default "
                         f"deployable routes, plus SpecFit with the paper's reward instead of calibrated acceptance, "
                         f"and SpecFit with exact routes from the oracle, the paper's measurement device)")
-    p.add_argument("--link-ms", type=float, default=EMBEDDED_LINK_S * 1e3,
-                   help="emulated link: ms per expert copy, chosen so that a token's expert copies take ~1.4x its compute, as on "
-                        "the paper's A100")
+    p.add_argument("--link-ms", type=float, default=None,
+                   help="emulated link: ms per expert copy (default: measured at start so that a token's full expert "
+                        "demand costs 1.4x its compute, as on the paper's A100)")
+    p.add_argument("--map", action="store_true",
+                   help="also sweep the regime map: link ratios x slot counts, SpecFit / AR and / EAGLE-3 heat maps")
+    p.add_argument("--map-only", action="store_true", help="the regime map alone (no main table)")
+    p.add_argument("--map-prompts", type=int, default=6, help="prompts per workload in each cell of the regime map")
+    p.add_argument("--map-ratios", nargs="+", type=float, default=list(MAP_RATIOS),
+                   help="link costs of the map, as multiples of the default link (0: no link)")
+    p.add_argument("--map-slots", nargs="+", type=int, default=list(MAP_SLOTS), help="slot counts of the map")
     p.add_argument("--out", default="bench-results", help="folder for results.json and tok_s_vs_slots.png")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--quick", action="store_true", help="4 prompts per workload, 32 new tokens (a smoke run)")
 
 
 def main(args) -> int:
-    from tqdm.auto import tqdm
-
     from . import datasets
 
     torch.set_num_threads(args.threads)
     if args.methods is None:
-        args.methods = list(PAPER_METHODS) + ["specfit-paper", "specfit-oracle"]
+        args.methods = list(PAPER_METHODS) + ["prompt-lookup", "specfit-paper", "specfit-oracle"]
     if args.quick:
         args.cnn_prompts, args.gsm8k_prompts, args.max_new_tokens = 4, 4, 32
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    regimes = {r: (args.link_ms / 1e3 if r == "emulated" else None) for r in args.regimes}
 
     # the prompts first: without them there is nothing to measure, so say where to get them before loading anything
     try:
@@ -81,52 +96,140 @@ def main(args) -> int:
     _, tokenizer = load_instances(["ar"], 1, None)
     workloads = {w: [tokenizer(t, return_tensors="pt").input_ids[:, -MAX_PROMPT_TOKENS:] for t in prompts]
                  for w, prompts in texts.items()}
-    ratio = _link_ratio(args.link_ms / 1e3)
-    print(f"emulated link: {args.link_ms:.3f} ms per expert copy; one token's full expert demand costs "
-          f"{ratio:.2f}x one token's compute on this machine (target ~1.4x, as on the paper's A100)")
+    link, how = link_seconds(args.link_ms)
+    args.link_ms = link.seconds_per_expert * 1e3
+    ratio = link_to_compute(link.seconds_per_expert)
+    print(f"emulated link: {args.link_ms:.4f} ms per expert copy ({how}); one token's full expert demand costs "
+          f"{ratio:.2f}x one token's compute on this machine (the paper's A100: ~1.4x)")
+    started = time.time()
+    result = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=platform.processor() or
+                  platform.machine(), torch_threads=args.threads, link_ms=args.link_ms, link_source=how,
+                  link_to_compute=ratio, max_new_tokens=args.max_new_tokens, methods=args.methods,
+                  note="CPU; 'emulated link' rows use an emulated host-to-device link, not GPU speed")
+    if not args.map_only:
+        result.update(_main_table(args, workloads, tokenizer, link, out_dir))
+    if args.map or args.map_only:
+        result["map"] = _regime_map(args, workloads, tokenizer, link, out_dir)
+    result["wall_seconds"] = time.time() - started
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+    print(f"\nresults: {out_dir / 'results.json'}")
+    return 0
 
-    rows, started = [], time.time()
+
+def _main_table(args, workloads, tokenizer, link, out_dir: Path) -> dict:
+    from tqdm.auto import tqdm
+
+    regimes = {r: (link if r == "emulated" else None) for r in args.regimes}
+    rows = []
     logs, cells = {}, []  # the SpecFit row's labelled children: per workload, and a summary per cell
     total_runs = len(regimes) * len(args.slots) * sum(len(p) for p in workloads.values())
     with tqdm(total=total_runs, desc="bench", unit="prompt") as bar:
-        for regime, link_s in regimes.items():
+        for regime, link in regimes.items():
             for slots in args.slots:
                 n_slots = None if slots == "none" else int(slots)
-                instances, _ = load_instances(args.methods, n_slots, link_s, prepare=lambda model, method: (
+                instances, _ = load_instances(args.methods, n_slots, link, prepare=lambda model, method: (
                     _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
                 for w, prompts in workloads.items():
                     watched = instances.get("specfit")
                     if watched is not None:
                         watched.specfit.acceptance_log = []
-                    totals, _ = run_side_by_side(instances, prompts, args.max_new_tokens,
-                                                 on_prompt=lambda i: bar.update(1))
-                    label = "emulated link" if link_s else "no link"
-                    rows += [Row.of(m, w, slots, label, len(prompts), c) for m, c in totals.items()]
+                    runs = side_by_side(instances, prompts, args.max_new_tokens, on_prompt=lambda i: bar.update(1))
+                    label = "emulated link" if link else "no link"
+                    rows += [Row.of(m, w, slots, label, len(prompts), c, runs.seconds[m])
+                             for m, c in runs.counters.items()]
                     if watched is not None:
                         log, watched.specfit.acceptance_log = watched.specfit.acceptance_log, None
                         logs.setdefault(w, []).extend(log)
                         cell = reliability.summary(log)
                         cell.pop("by_depth_rank", None)
                         cells.append(dict(regime=label, slots=slots, workload=w, **cell))
-    report = _report(rows, args)
-    print(report)
+    print(_report(rows, args))
     calibration = {w: reliability.summary(log) for w, log in logs.items()}
     for w, summary in calibration.items():
         print(reliability.describe(f"[{w}] SpecFit, all cells", summary))
     print()
     print(paper_table())
-    result = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=platform.processor() or
-                  platform.machine(), torch_threads=args.threads, link_ms=args.link_ms, link_to_compute=ratio,
-                  max_new_tokens=args.max_new_tokens, methods=args.methods, wall_seconds=time.time() - started,
-                  note="CPU; 'emulated link' rows use an emulated host-to-device link, not GPU speed",
-                  rows=[r.as_dict() for r in rows],
-                  acceptance_calibration=dict(workloads=calibration, cells=cells))
-    (out_dir / "results.json").write_text(json.dumps(result, indent=2))
     _plot(rows, out_dir / "tok_s_vs_slots.png")
     if logs:
         reliability.plot(logs, out_dir / "reliability.png")
-    print(f"\nresults: {out_dir / 'results.json'}")
-    return 0
+    return dict(rows=[r.as_dict() for r in rows], acceptance_calibration=dict(workloads=calibration, cells=cells))
+
+
+def _regime_map(args, workloads, tokenizer, link, out_dir: Path) -> list[dict]:
+    """SpecFit against AR, EAGLE-3 and prompt lookup in every (link ratio, slots) cell, whole calls, wall clock."""
+    from tqdm.auto import tqdm
+
+    cells = []
+    prompts = {w: p[: args.map_prompts + 1] for w, p in workloads.items()}  # + 1: the untimed first prompt
+    total = len(args.map_ratios) * len(args.map_slots) * sum(len(p) for p in prompts.values())
+    with tqdm(total=total, desc="regime map", unit="prompt") as bar:
+        for ratio in args.map_ratios:
+            for slots in args.map_slots:
+                cell_link = None if ratio <= 0 else replace(
+                    link, seconds_per_expert=link.seconds_per_expert * ratio,
+                    relative=None if link.relative is None else link.relative * ratio)
+                instances, _ = load_instances(MAP_METHODS, slots, cell_link, prepare=lambda model, method: (
+                    _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
+                for w, ids in prompts.items():
+                    runs = side_by_side(instances, ids, args.max_new_tokens, on_prompt=lambda i: bar.update(1))
+                    tok_s = {m: runs.counters[m].new_tokens / runs.seconds[m] for m in MAP_METHODS}
+                    sf = runs.counters["specfit"]
+                    cells.append(dict(link_ratio=ratio, slots=slots, workload=w, prompts=len(ids) - 1, tok_s=tok_s,
+                                      specfit_nodes_per_cycle=sf.nodes_per_cycle,
+                                      specfit_tokens_per_cycle=sf.tokens_per_cycle,
+                                      copies_per_token={m: runs.counters[m].copies_per_token for m in MAP_METHODS}))
+    print(_map_report(cells))
+    _plot_map(cells, out_dir / "regime_map.png")
+    return cells
+
+
+def _map_report(cells: list[dict]) -> str:
+    lines = ["\nRegime map (whole generate() calls, wall clock; CPU, emulated link = the ratio x the default):"]
+    for w in sorted({c["workload"] for c in cells}):
+        for base in ("ar", "eagle3", "prompt-lookup"):
+            lines.append(f"[{w}] SpecFit / {LABELS[base]}; rows: link ratio, columns: slots")
+            slots = sorted({c["slots"] for c in cells})
+            lines.append("ratio  " + "".join(f"{s:>8}" for s in slots))
+            for ratio in sorted({c["link_ratio"] for c in cells}):
+                row = []
+                for s in slots:
+                    c = next((c for c in cells if (c["workload"], c["link_ratio"], c["slots"]) == (w, ratio, s)), None)
+                    row.append(f"{c['tok_s']['specfit'] / c['tok_s'][base]:>8.2f}" if c else f"{'-':>8}")
+                lines.append(f"{ratio:<7g}" + "".join(row))
+    return "\n".join(lines)
+
+
+def _plot_map(cells: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'specfit[plot]'): no regime map PNG written")
+        return
+    workloads = sorted({c["workload"] for c in cells})
+    ratios, slots = sorted({c["link_ratio"] for c in cells}), sorted({c["slots"] for c in cells})
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(9, 3.6 * len(workloads)), squeeze=False)
+    for i, w in enumerate(workloads):
+        for j, base in enumerate(("ar", "eagle3")):
+            grid = [[next((c["tok_s"]["specfit"] / c["tok_s"][base] for c in cells
+                           if (c["workload"], c["link_ratio"], c["slots"]) == (w, r, s)), float("nan"))
+                     for s in slots] for r in ratios]
+            ax = axes[i][j]
+            im = ax.imshow(grid, cmap="RdYlGn", vmin=0.6, vmax=1.6, origin="lower", aspect="auto")
+            for a, r in enumerate(ratios):
+                for b, s in enumerate(slots):
+                    ax.text(b, a, f"{grid[a][b]:.2f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(slots)), [str(s) for s in slots])
+            ax.set_yticks(range(len(ratios)), ["none" if r == 0 else f"{r:g}x" for r in ratios])
+            ax.set_xlabel("expert slots per layer (of 64)")
+            ax.set_ylabel("link cost (x the paper's ratio)")
+            ax.set_title(f"{w}: SpecFit / {LABELS[base]} (wall clock, CPU)", fontsize=9)
+            fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"regime map: {path}")
 
 
 def _report(rows: list[Row], args) -> str:
@@ -138,15 +241,15 @@ def _report(rows: list[Row], args) -> str:
                 if sel:
                     parts.append(format_table(sel, f"\n[{w}] slots {slots} of 64, {regime} (CPU"
                                                    f"{', emulated' if regime == 'emulated link' else ''})"))
-            for base in ("eagle3", "ar"):
+            for base in ("eagle3", "ar", "prompt-lookup", "specfit-paper"):
                 ratios = []
                 for slots in args.slots:
                     by = {r.method: r for r in rows if r.regime == regime and r.workload == w and r.slots == slots}
-                    if "specfit" in by and base in by and by[base].tok_s:
-                        ratios.append(f"{slots}: x{by['specfit'].tok_s / by[base].tok_s:.3f}")
+                    if "specfit" in by and base in by and by[base].call_tok_s:
+                        ratios.append(f"{slots}: x{by['specfit'].call_tok_s / by[base].call_tok_s:.3f}")
                 if ratios:
-                    parts.append(f"SpecFit (default routes) / {LABELS[base]}, wall clock, [{w}] {regime}, by slots: "
-                                 + ", ".join(ratios))
+                    parts.append(f"SpecFit (default routes) / {LABELS[base]}, whole calls, wall clock, [{w}] "
+                                 f"{regime}, by slots: " + ", ".join(ratios))
     return "\n".join(parts)
 
 
@@ -168,13 +271,13 @@ def _ensure_profile(model, tokenizer) -> None:
     model.specfit.cost_model = cost
 
 
-def _link_ratio(link_s: float) -> float:
-    instances, tokenizer = load_instances(["ar"], 64, None)
-    model = instances["ar"]
-    ids = tokenizer("Question: A farmer has 12 cows.\nAnswer:", return_tensors="pt").input_ids
-    compute = token_compute_seconds(model, ids)
-    demand = model.config.num_hidden_layers * model.config.num_experts_per_tok
-    return demand * link_s / compute
+def link_to_compute(link_s: float) -> float:
+    """One token's full expert demand (layers x top-k copies) over one token's compute, on this machine."""
+    from .. import embedded
+
+    instances, _ = load_instances(["ar"], 1, None)
+    config = instances["ar"].config
+    return config.num_hidden_layers * config.num_experts_per_tok * link_s / embedded.token_compute_seconds()
 
 
 def _plot(rows: list[Row], path: Path) -> None:

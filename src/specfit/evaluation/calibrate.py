@@ -41,7 +41,8 @@ from ..drafting.tree import DraftTree
 from ..selection.cost_model import CostModel, Record, profile_path
 from ..selection.fit_quality import REMEDY, Pool, assess
 from ..selection.profiles import device_name, model_id
-from ..selection.route_sources import oracle_routes
+from ..selection.route_sources import ROUTE_SOURCES, choose_route_source, oracle_routes
+from ..selection.selector import select_subtree
 
 PROBES = json.loads(files("specfit.calibration").joinpath("probes.json").read_text())
 # The statistic kept per configuration: its fastest repeat. Interference from other work only ever adds time (a
@@ -98,18 +99,38 @@ class PlanningProbe(Eagle3Generator):
 class ReplayProbe(Eagle3Generator):
     """Rounds 1..repeats: the planned cycles again, without the oracle; times every drafted level. A cycle whose
     pool differs from the plan (decoding that is not deterministic, e.g. a drafter that samples) is marked diverged
-    and verifies the planned nodes if the pool has the planned shape, else a random subtree of the planned size."""
+    and verifies the planned nodes if the pool has the planned shape, else a random subtree of the planned size.
+
+    A level is drafted and timed as SpecFit drafts it: with the model's deployable route source (a predictor or the
+    gates: every node of the level processed, its routes computed in the level's step) and the selector run on the
+    pool so far. (The pool is the same as EAGLE-3's; only the work per level differs.) The oracle, a measurement
+    device, is not part of a level's price."""
 
     def __init__(self, model, plan: list[Planned], rng: random.Random):
         super().__init__(model)
         self.plan, self.rng = plan, rng
         self.level_seconds: list[list[float]] = []  # per cycle: seconds of each drafted level
         self.diverged: list[bool] = []
+        self.routes = None
+        try:
+            source = choose_route_source(model, model.specfit.options.route_source)
+        except ValueError:  # nothing deployable: levels are priced as EAGLE-3 drafts them
+            source = "oracle"
+        if source != "oracle":
+            self.routes = ROUTE_SOURCES[source](model)
+            if hasattr(self.routes, "attach"):
+                self.routes.attach(self.drafter)
+        # prices the selector's work per level, not its choice (which the probe's plan makes)
+        self.pricing = CostModel(intercepts=(1.0,) * (self.max_nodes + 1), beta=1e-3)
 
     def draft(self, cycle):
         tree, times = DraftTree(), []
+        cycle.drafter = self.drafter
         start = time.perf_counter()
         for tree in self.drafter.levels():
+            if self.routes is not None:
+                node_routes, root_routes = self.routes(cycle, tree)
+                select_subtree(tree.parents, tree.path_probs, node_routes, root_routes, self.pricing, self.max_nodes)
             now = time.perf_counter()
             times.append(now - start)
             start = now

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from . import comparison
-from .harness import EMBEDDED_LINK_S, load_instances
+from .harness import link_seconds, load_instances
 
 METHODS = ("ar", "eagle3", "specfit")
 
@@ -34,7 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", type=int, default=2, help="prompts per workload (GSM8K and CNN/DailyMail)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--slots", type=int, default=24, help="expert slots per layer of 64 (24 = the paper's 48/128)")
-    p.add_argument("--link-ms", type=float, default=EMBEDDED_LINK_S * 1e3, help="emulated ms per expert copy")
+    p.add_argument("--link-ms", type=float, default=None,
+                   help="emulated ms per expert copy (default: measured at start so that a token's full expert demand "
+                        "costs 1.4x its compute, as on the paper's A100)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
 
 
@@ -43,19 +45,21 @@ def main(args) -> int:
 
     started = time.time()
     torch.set_num_threads(args.threads)  # this command owns its process: the count that suits the model (--threads)
+    link, how = link_seconds(args.link_ms)
+    args.link_ms = link.seconds_per_expert * 1e3
     print(f"SpecFit demo: the embedded Qwen3-MoE ({_architecture()}) with its EAGLE-3 drafter, "
           f"experts in host memory, {args.slots} slots per layer, CPU with an emulated host link of "
-          f"{args.link_ms:.2f} ms per expert copy (emulated: not GPU speed), {args.threads} CPU thread"
+          f"{args.link_ms:.3f} ms per expert copy ({how}; emulated: not GPU speed), {args.threads} CPU thread"
           f"{'s' if args.threads != 1 else ''} (--threads).")
     print("The embedded model is a small model trained by this project only to show the method: its text is not "
           "meant to be good. What matters is that all three methods write the same tokens, and how fast.")
     print(f"Where SpecFit pays: when expert copies are dear - few slots per layer (here {args.slots} of 64) and a "
-          f"slow host link (here {args.link_ms:.2f} ms per copy) - it verifies only the draft nodes worth their "
+          f"slow host link (here {args.link_ms:.3f} ms per copy) - it verifies only the draft nodes worth their "
           f"experts' copies, so it copies fewer experts per token than EAGLE-3; with every expert resident or a "
           f"free link it has nothing to save.\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        instances, tokenizer = load_instances(list(METHODS), args.slots, args.link_ms / 1e3)
+        instances, tokenizer = load_instances(list(METHODS), args.slots, link)
         tables = []
         for workload in ("gsm8k", "cnn"):
             try:

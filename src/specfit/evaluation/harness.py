@@ -26,6 +26,7 @@ class Method:
     assistant: str | None
     cleared: bool = False  # slot cache emptied before every forward (the paper's "vanilla")
     options: tuple = ()  # decoding options, as (name, value) pairs
+    generate: tuple = ()  # generate() keywords of the method, as (name, value) pairs
 
 
 METHODS = {
@@ -43,16 +44,27 @@ METHODS = {
     "specfit-prefetch": Method("SpecFit, pred.+prefetch", "specfit",
                                options=(("route_source", "predictor"), ("prefetch", True))),
     "specfit-cache-aware": Method("SpecFit, cache-aware", "specfit", options=(("cost", "cache-aware"),)),
+    # transformers' own prompt-lookup decoding on the same offloaded model: what a user tries first, no drafter
+    "prompt-lookup": Method("Prompt lookup (10)", None, generate=(("prompt_lookup_num_tokens", 10),)),
 }
 PAPER_METHODS = ("ar", "eagle3-vanilla", "eagle3", "specfit")
 LABELS = {name: m.label for name, m in METHODS.items()}
 ASSISTANT = {name: m.assistant for name, m in METHODS.items()}
+GENERATE = {name: dict(m.generate) for name, m in METHODS.items()}
 
-# The emulated host link for the embedded model: one expert copy costs this long, chosen so that one token's full
-# expert demand (6 layers x top-4 = 24 copies) takes about 1.4x one token's compute, as on the paper's A100
-# (on the reference CPU one decode forward takes ~4.7 ms with 1 thread, and 24 x 0.28 ms = 6.7 ms; `specfit bench`
-# prints the ratio measured on the machine it runs on).
-EMBEDDED_LINK_S = 0.28e-3
+
+
+def link_seconds(link_ms: float | None):
+    """(``LinkConfig``, how it was set) of the emulated link for a demo or bench run: ``--link-ms`` when given, else
+    the embedded model's structural default (``embedded.default_link``: a token's full expert demand costs 1.4x its
+    compute on this machine, as on the paper's A100), measured now."""
+    from .. import embedded
+    from ..offload.link import LinkConfig
+
+    if link_ms is not None:
+        return LinkConfig(seconds_per_expert=link_ms / 1e3), "given (--link-ms)"
+    return embedded.default_link(), (f"default: 1.4 x one token's compute ({embedded.token_compute_seconds() * 1e3:.2f}"
+                                     f" ms, measured now) / (layers x top-k)")
 
 
 @dataclass
@@ -76,24 +88,26 @@ class Row:
     prefill_s: float
     end_to_end_tok_s: float  # prefill included
     expected_over_committed: float = 0.0  # the assistant's expected committed tokens / the tokens committed
+    call_tok_s: float = 0.0  # new tokens over the wall clock of the whole generate() calls (what a stopwatch reads)
 
     @classmethod
-    def of(cls, method, workload, slots, regime, prompts, c: Counters) -> "Row":
+    def of(cls, method, workload, slots, regime, prompts, c: Counters, call_seconds: float = 0.0) -> "Row":
         per_token = (lambda x: x / c.new_tokens) if c.new_tokens else (lambda x: 0.0)
         return cls(method, workload, slots, regime, prompts, c.new_tokens, c.tokens_per_second, c.nodes_per_cycle,
                    c.tokens_per_cycle, c.seconds_per_cycle * 1e3, c.copies_per_token, c.hit_rate,
                    per_token(c.prefetch_copies), per_token(c.prefetch_wasted), c.measurement_seconds,
                    c.tokens_per_second_excluding_measurement, c.prefill_seconds, c.end_to_end_tokens_per_second,
-                   c.expected_over_committed)
+                   c.expected_over_committed, c.new_tokens / call_seconds if call_seconds else 0.0)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def load_instances(methods, slots: int | None, link_s: float | None, prepare=None) -> tuple[dict, object]:
-    """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared). ``prepare(model,
-    method)`` runs before the method's decoding options are set (``specfit bench`` calibrates a missing cost
-    profile there: ``cost="cache-aware"`` is refused without one)."""
+def load_instances(methods, slots: int | None, link, prepare=None) -> tuple[dict, object]:
+    """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared). ``link``: a
+    ``LinkConfig``, seconds per expert copy, or None. ``prepare(model, method)`` runs before the method's decoding
+    options are set (``specfit bench`` calibrates a missing cost profile there: ``cost="cache-aware"`` is refused
+    without one)."""
     from transformers import AutoConfig
 
     from .. import embedded
@@ -104,8 +118,10 @@ def load_instances(methods, slots: int | None, link_s: float | None, prepare=Non
     for name in methods:
         method = METHODS[name]
         n = slots if slots is not None else AutoConfig.from_pretrained(embedded.TARGET_DIR).num_experts
+        if isinstance(link, (int, float)):
+            link = LinkConfig(seconds_per_expert=link) if link else None
         model, tokenizer = embedded.load(n, cache_mode="cleared" if method.cleared or slots is None else "cached",
-                                         link=LinkConfig(seconds_per_expert=link_s) if link_s else None)
+                                         link=link)
         if prepare is not None:
             prepare(model, method)
         if method.options:
@@ -136,17 +152,19 @@ def interleave(models: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int
     on prompt 0 with that many tokens (one-time costs stay out of the figures). ``check_lossless``: every method must
     produce the first method's tokens (greedy decoding)."""
     assistants = assistants if assistants is not None else {m: ASSISTANT[m] for m in models}
+    own = {m: GENERATE.get(m, {}) if isinstance(m, str) else {} for m in models}  # a method's own keywords
     generate_kwargs.setdefault("do_sample", False)
     runs = Runs({m: Counters() for m in models}, {m: 0.0 for m in models}, {m: 0 for m in models},
                 {m: [] for m in models})
     if warmup_tokens and prompt_ids:
         for method, model in models.items():
             model.generate(prompt_ids[0], max_new_tokens=warmup_tokens, assistant=assistants[method],
-                           **generate_kwargs)
+                           **generate_kwargs, **own[method])
     for i, ids in enumerate(prompt_ids):
         for method, model in models.items():
             started = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=max_new_tokens, assistant=assistants[method], **generate_kwargs)
+            out = model.generate(ids, max_new_tokens=max_new_tokens, assistant=assistants[method], **generate_kwargs,
+                                 **own[method])
             seconds = time.perf_counter() - started
             if i >= skip or len(prompt_ids) <= skip:
                 runs.counters[method] += model.specfit.stats.last_generate
@@ -172,6 +190,12 @@ def run_side_by_side(instances: dict, prompt_ids: list[torch.Tensor], max_new_to
     return runs.counters, runs.outputs
 
 
+def side_by_side(instances: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int, warmup: int = 1,
+                 on_prompt=None) -> Runs:
+    """As ``run_side_by_side``, returning the ``Runs`` (whole-call wall clock included)."""
+    return interleave(instances, prompt_ids, max_new_tokens, skip=warmup, on_prompt=on_prompt)
+
+
 def token_compute_seconds(model, ids: torch.Tensor, repeats: int = 20) -> float:
     """Median time of one decode forward with every expert resident and no link (the compute of one token)."""
     from transformers import DynamicCache
@@ -190,7 +214,9 @@ def token_compute_seconds(model, ids: torch.Tensor, repeats: int = 20) -> float:
     return times[len(times) // 2]
 
 
-LEGEND = ("tok/s: new tokens per second of decoding, wall clock (what a stopwatch reads; prefill excluded)",
+LEGEND = ("call tok/s: new tokens per second of whole generate() calls, wall clock (what a stopwatch around the "
+          "calls reads: prefill and everything included)",
+          "tok/s: new tokens per second of decoding, wall clock (prefill excluded)",
           "nodes/cyc: draft nodes verified per decoding cycle (EAGLE-3 always verifies 7)",
           "tok/cyc: tokens committed per cycle (accepted draft tokens + 1 bonus token; AR: 1)",
           "cycle ms: wall clock per cycle (AR: per token)",
@@ -201,13 +227,14 @@ LEGEND = ("tok/s: new tokens per second of decoding, wall clock (what a stopwatc
 
 def format_table(rows: list[Row], title: str) -> str:
     measured = any(r.measurement_s > 0 for r in rows)
-    head = (f"{'method':<25}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}{'copies/tok':>12}"
-            f"{'exp/real':>10}")
+    head = (f"{'method':<25}{'call tok/s':>11}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}"
+            f"{'copies/tok':>12}{'exp/real':>10}")
     head += f"{'tok/s excl. oracle*':>21}" if measured else ""
     lines = [title, head, "-" * len(head)]
     for r in rows:
-        line = (f"{LABELS[r.method]:<25}{r.tok_s:>8.1f}{r.nodes_per_cycle:>11.2f}{r.tokens_per_cycle:>9.2f}"
-                f"{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}{r.expected_over_committed:>10.2f}")
+        line = (f"{LABELS[r.method]:<25}{r.call_tok_s:>11.1f}{r.tok_s:>8.1f}{r.nodes_per_cycle:>11.2f}"
+                f"{r.tokens_per_cycle:>9.2f}{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}"
+                f"{r.expected_over_committed:>10.2f}")
         if measured:
             line += f"{r.tok_s_excluding_measurement:>21.1f}" if r.measurement_s > 0 else f"{'':>21}"
         lines.append(line)

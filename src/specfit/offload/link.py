@@ -22,6 +22,11 @@ class LinkConfig:
     seconds_per_expert: float | None = None
     bandwidth: float | None = None  # bytes per second
     latency: float = 0.0  # seconds per copy, added to the bandwidth term
+    # a link defined relative to the machine (the embedded model's structural default: a token's full expert demand
+    # costs `relative` x 1.4 x its compute), named by that rule rather than by its ms, which differ machine to
+    # machine. Cost profiles are filed under the label: since every time of such a profile scales with the machine,
+    # the selector's choices (a ratio of tokens to time) carry over from one machine to another
+    relative: float | None = None
 
     def __post_init__(self):
         if (self.seconds_per_expert is None) == (self.bandwidth is None):
@@ -42,6 +47,9 @@ class LinkConfig:
 
     @property
     def label(self) -> str:
+        if self.relative is not None:
+            scale = "" if self.relative == 1 else f"{self.relative:g}x "
+            return f"emulated link, {scale}structural default"
         if self.seconds_per_expert is not None:
             return f"emulated link, {self.seconds_per_expert * 1e3:.3g} ms per expert copy"
         return f"emulated link, {self.bandwidth / 1e9:.3g} GB/s + {self.latency * 1e6:.3g} us per copy"

@@ -52,7 +52,11 @@ class DrafterTrainConfig:
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """Low / mid / high outputs-of-layer ids: (1, 3, 5) for 6 layers. EAGLE's (1, N//2-1, N-4) gives (1, 2, 2)."""
+    """Low / mid / high outputs-of-layer ids, as EAGLE-3 picks them: (1, N//2-1, N-4), e.g. (1, 23, 44) for a
+    48-layer target; where that repeats a layer (fewer than 8 layers: (1, 2, 2) for 6) the spread (1, N//2, N-1)."""
+    eagle = Eagle3Config.default_aux_layer_ids(num_layers)
+    if len(set(eagle)) == 3 and min(eagle) >= 0:
+        return eagle
     return (min(1, num_layers - 1), num_layers // 2, num_layers - 1)
 
 
