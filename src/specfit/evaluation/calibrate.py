@@ -312,6 +312,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=PROBES["max_new_tokens"],
                    help="tokens generated per prompt (each cycle is a probe)")
     p.add_argument("--link-ms", type=float, default=None, help="emulated host link: milliseconds per expert copy")
+    p.add_argument("--default-link", type=float, nargs="?", const=1.0, default=None, metavar="RATIO",
+                   help="the embedded model's structural default link (a token's expert copies = 1.4x its compute, "
+                        "measured here), times RATIO (default 1): what the demo and the bench use")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None,
@@ -532,7 +535,12 @@ def _load(args):
         args.slots = default_slots(AutoConfig.from_pretrained(args.model or embedded.TARGET_DIR))
         print(f"--slots not given: {args.slots} slots per MoE layer (3/8 of the model's experts, as the paper's 48 of "
               f"128)", flush=True)
-    link = LinkConfig(seconds_per_expert=args.link_ms / 1e3) if args.link_ms else None
+    if args.default_link is not None and args.link_ms:
+        raise ValueError("give --link-ms or --default-link, not both")
+    if args.default_link is not None:
+        link = embedded.default_link(args.default_link) if args.default_link > 0 else None
+    else:
+        link = LinkConfig(seconds_per_expert=args.link_ms / 1e3) if args.link_ms else None
     kw = dict(cache_mode=args.cache_mode, link=link)
     if args.model is None:
 

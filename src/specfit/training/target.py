@@ -446,7 +446,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--continue-steps", type=int, default=d.continue_steps,
                         help="a second phase of this many steps after --steps: a warm restart to --continue-lr, then "
                              "cosine down (a finished run can be extended with --resume)")
-    parser.add_argument("--continue-lr", type=float, default=d.continue_lr, help="the second phase's peak learning rate")
+    parser.add_argument("--continue-lr", type=float, default=d.continue_lr,
+                        help="the second phase's peak learning rate")
     parser.add_argument("--continue-gsm8k-share", type=float, default=d.continue_gsm8k_share,
                         help="share of the second phase's windows drawn from GSM8K (the rest from OpenStax)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for splits, init and window sampling")
