@@ -187,8 +187,9 @@ class CopyEngine:
         last = [end for _, end, target, _ in self._timings if target is counters]
         if last:
             last[-1].synchronize()  # one host wait: a forward's batches share the FIFO demand stream
-        done = [t for t in self._timings if t[1].query()]
-        self._timings = [t for t in self._timings if not t[1].query()]
+        finished = [t[1].query() for t in self._timings]  # once each: an event may land between two queries
+        done = [t for t, f in zip(self._timings, finished) if f]
+        self._timings = [t for t, f in zip(self._timings, finished) if not f]
         # demand batches first: a prefetch batch counts only the time no demand batch was copying (both streams
         # share the link; summing both would count the shared time twice, above wall time)
         for start, end, target, prefetch in sorted(done, key=lambda t: t[3]):
