@@ -43,8 +43,9 @@ class LayerRuntime:
         num_tokens, top_k = top_k_index.shape
         rt.routes.record(self.index, top_k_index)
         flat = to_host(top_k_index.reshape(-1))[0]  # [T*k] the one planned host sync per layer
-        counts = np.bincount(flat, minlength=rt.store.num_experts)  # [E] on the host: no device bincount
-        needed = np.flatnonzero(counts).tolist()
+        rows = rows_by_expert(flat)  # expert -> its (token, k) rows, on the host: no device bincount
+        needed = sorted(rows)
+        counts = {e: len(r) for e, r in rows.items()}
         if rt.untracked:
             groups, weights = [("untracked", needed, None)], [self._untracked(needed)]
             ready = iter([None])
@@ -52,7 +53,6 @@ class LayerRuntime:
             fetch = self.cache.start(needed, rt.forward_counters)
             groups, weights, ready = fetch.groups, None, self.cache.ready(fetch)
         grouped = rt.grouped_experts and weights is None
-        rows = rows_by_expert(flat, needed)
         plans = [plan_group(rows, counts, top_k, len(flat), experts, slots, grouped and slots is not None,
                             self.cache.num_slots) for kind, experts, slots in groups]
         # every index of the layer in one host -> device transfer: rows to read, rows to write, slots (or offsets)
@@ -105,10 +105,10 @@ class GroupPlan:
         return self.take, self.dest, self.offsets if self.offsets is not None else (self.slots or [])
 
 
-def plan_group(rows: dict[int, list[int]], counts: np.ndarray, top_k: int, pad: int, experts: list[int],
+def plan_group(rows: dict[int, list[int]], counts: dict[int, int], top_k: int, pad: int, experts: list[int],
                slots: list[int] | None, grouped: bool, num_slots: int) -> GroupPlan:
-    """Indices for one group. ``rows[e]``: the (token, k) rows routed to expert e (``rows_by_expert``); ``counts``
-    [E]: how many; ``pad``: T*k, the dummy row padding is written to.
+    """Indices for one group. ``rows[e]``: the (token, k) rows routed to expert e (``rows_by_expert``); ``counts``:
+    how many; ``pad``: T*k, the dummy row padding is written to.
 
     ``slots``: each expert's slot (None: the weights are in a buffer of their own, in ``experts`` order).
     Gathered: expert j's rows are ``take[j*C:(j+1)*C]``, padded to the group's busiest count C with its last row
@@ -116,7 +116,8 @@ def plan_group(rows: dict[int, list[int]], counts: np.ndarray, top_k: int, pad: 
     Grouped: rows sorted by slot, unpadded; ``offsets[s]`` ends slot s's rows.
 
     >>> flat = np.array([3, 1, 1, 0])   # token 0 -> experts 3, 1; token 1 -> experts 1, 0 (top_k = 2)
-    >>> rows, counts = rows_by_expert(flat, [0, 1, 3]), np.bincount(flat, minlength=4)
+    >>> rows = rows_by_expert(flat)
+    >>> counts = {e: len(r) for e, r in rows.items()}
     >>> p = plan_group(rows, counts, 2, 4, [1, 3], [2, 0], False, 4)
     >>> p.take, p.dest, p.width
     ([0, 1, 0, 0], [1, 2, 0, 4], 2)
@@ -142,13 +143,23 @@ def plan_group(rows: dict[int, list[int]], counts: np.ndarray, top_k: int, pad: 
     return GroupPlan(take, dest, slots, None, width)
 
 
-def rows_by_expert(flat: np.ndarray, experts: list[int]) -> dict[int, list[int]]:
-    """expert -> its (token, k) rows of ``flat`` [T*k], ascending."""
-    order = np.argsort(flat, kind="stable")
-    ids = flat[order]
-    starts = np.searchsorted(ids, experts, side="left")
-    ends = np.searchsorted(ids, experts, side="right")
-    return {e: order[a:b].tolist() for e, a, b in zip(experts, starts, ends)}
+def rows_by_expert(flat: np.ndarray) -> dict[int, list[int]]:
+    """expert -> its (token, k) rows of ``flat`` [T*k], ascending (plain Python: a layer routes few rows at decode
+    and verify; NumPy's sort pays off only for a long prefill).
+
+    >>> rows_by_expert(np.array([3, 1, 1, 0]))
+    {3: [0], 1: [1, 2], 0: [3]}
+    """
+    if len(flat) > 512:
+        order = np.argsort(flat, kind="stable")
+        ids = flat[order]
+        experts = np.unique(ids)
+        starts, ends = np.searchsorted(ids, experts, "left"), np.searchsorted(ids, experts, "right")
+        return {int(e): order[a:b].tolist() for e, a, b in zip(experts, starts, ends)}
+    rows: dict[int, list[int]] = {}
+    for i, e in enumerate(flat.tolist()):
+        rows.setdefault(e, []).append(i)
+    return rows
 
 
 def grouped_experts_supported(device: torch.device, dtype: torch.dtype, layout) -> tuple[bool, str]:
