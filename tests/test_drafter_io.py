@@ -556,3 +556,23 @@ def test_missing_repo_like_path_unreachable_hub(tmp_path, monkeypatch):
     assert "internet" not in str(e.value) and e.value.__cause__ is None
     with pytest.raises(FileNotFoundError, match=r"no drafter checkpoint at \./owner/drafter: no such file or folder"):
         load_drafter("./owner/drafter", num_target_layers=N_LAYERS)
+
+
+def test_drafter_and_route_head_can_be_saved_in_bfloat16(tmp_path):
+    """The embedded drafter and route predictor ship in bfloat16 (half the bytes); loading casts them back, close to
+    the float32 originals, and the vocabulary maps stay exact."""
+    drafter = make_drafter()
+    save_drafter(drafter, tmp_path / "d", dtype=torch.bfloat16)
+    tensors = load_file(tmp_path / "d" / "model.safetensors")
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == drafter.d2t.dtype
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = load_drafter(tmp_path / "d")
+    torch.testing.assert_close(back.fc.weight.float(), drafter.fc.weight, rtol=1e-2, atol=1e-2)
+    assert torch.equal(back.d2t, drafter.d2t) and torch.equal(back.t2d, drafter.t2d)
+    head = RoutePredictor(2, 8, 16, 2)
+    torch.nn.init.normal_(head.weight)
+    head.save(tmp_path / "h", dtype=torch.bfloat16)
+    assert load_file(tmp_path / "h" / "route_predictor.safetensors")["weight"].dtype == torch.bfloat16
+    loaded = RoutePredictor.load(tmp_path / "h")
+    assert loaded.weight.dtype == torch.float32
+    torch.testing.assert_close(loaded.weight, head.weight, rtol=1e-2, atol=1e-2)

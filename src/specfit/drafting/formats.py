@@ -159,8 +159,9 @@ def load_drafter(
     return drafter
 
 
-def save_drafter(drafter: Eagle3Drafter, out_dir) -> None:
-    """Write ``config.json`` + ``model.safetensors`` in the SpecForge layout (``midlayer.*``, no shared embedding).
+def save_drafter(drafter: Eagle3Drafter, out_dir, dtype: torch.dtype | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the SpecForge layout (``midlayer.*``, no shared embedding);
+    ``dtype``: the floating-point weights in that dtype (e.g. ``torch.bfloat16`` to halve the file), else as they are.
 
     Raises:
         NotImplementedError: ``normed_feedback`` or ``norm_before_residual``, which SpecForge's EAGLE-3 model has no
@@ -177,7 +178,8 @@ def save_drafter(drafter: Eagle3Drafter, out_dir) -> None:
             )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().cpu().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous()
+             for k, v in drafter.state_dict().items()}
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -196,7 +198,7 @@ def save_drafter(drafter: Eagle3Drafter, out_dir) -> None:
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "tie_word_embeddings": False,
-        "torch_dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype or drafter.fc.weight.dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids), "use_aux_hidden_state": True},
     }
     if not c.lm_head_norm:  # SpecForge's default is true; written only when false, as vLLM reads the field otherwise

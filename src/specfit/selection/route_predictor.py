@@ -90,12 +90,14 @@ class RoutePredictor(nn.Module):
         out = torch.zeros_like(scores, dtype=torch.bool)
         return out.scatter_(-1, scores.topk(self.top_k, dim=-1).indices, True)
 
-    def save(self, folder) -> None:
+    def save(self, folder, dtype: torch.dtype | None = None) -> None:
+        """Write the head beside a drafter; ``dtype``: its tensors in that dtype (``torch.bfloat16`` halves the file;
+        loading casts them back to float32)."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({name: t.detach().cpu().contiguous() for name, t in
+        save_file({name: t.detach().cpu().to(dtype or t.dtype).contiguous() for name, t in
                    (("weight", self.weight), ("bias", self.bias), ("correction", self.correction))}, folder / FILE)
         (folder / CONFIG).write_text(json.dumps(dict(format=FORMAT, num_layers=self.num_layers,
                                                      num_experts=self.num_experts, hidden_size=self.hidden_size,

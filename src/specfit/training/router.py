@@ -74,6 +74,8 @@ def add_arguments(p) -> None:
     p.add_argument("--epochs", type=int, default=40, help="passes over the collected routes")
     p.add_argument("--seed", type=int, default=0, help="seed for prompts, init and batches")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--save-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of the saved head (bfloat16 halves the file; recall is measured on the saved head)")
 
 
 def main(args) -> int:
@@ -112,10 +114,11 @@ def main(args) -> int:
     gate = RoutePredictor.from_gates(model)
     head = RoutePredictor.from_gates(model)
     losses = train(head, states[tr], routes[tr], epochs=args.epochs, seed=args.seed)
+    head.save(out, dtype=getattr(torch, args.save_dtype))
+    head = RoutePredictor.load(out)  # measured as saved
     with torch.no_grad():
         r_gate = recall(gate.routes(states[te]), routes[te])
         r_pred = recall(head.routes(states[te]), routes[te])
-    head.save(out)
     report = dict(pairs=len(states), train=len(tr), heldout=len(te), epochs=args.epochs, final_loss=losses[-1],
                   recall_gate_per_layer=r_gate.tolist(), recall_predictor_per_layer=r_pred.tolist(),
                   recall_gate=float(r_gate.mean()), recall_predictor=float(r_pred.mean()),
