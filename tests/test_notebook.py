@@ -58,6 +58,7 @@ def cell_with(nb, text):
 
 @needs_embedded
 def test_the_notebook_runs(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the notebook's plots need matplotlib (pip install -e \".[dev]\" has it)")
     nb = run_notebook(tmp_path, monkeypatch)
     assert "<table" in outputs(next(c for c in nb.cells if c.source.strip() == "model.specfit.stats"))
     assert re.search(r"eagle3 +Counters\(new_tokens=8, tok/s=", outputs(cell_with(nb, "for assistant in")))
