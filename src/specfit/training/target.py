@@ -349,7 +349,9 @@ def model_card(report: dict) -> str:
         f"is a byte-level BPE with {corp['tokenizer_vocab']} tokens trained on the training text only; "
         "`<|endoftext|>` (id 0) is bos, eos and pad.", "",
         "## Configuration and training", "", "```json", json.dumps(cfg, indent=1), "```", "",
-        f"{report['steps']} AdamW steps of {tr['batch_size']} x {tr['seq_len']} tokens "
+        (f"{report['steps']} AdamW steps in all ({tr['steps']} in phase 1): " if tr.get("continue_steps") else
+         f"{report['steps']} AdamW steps: ")
+        + f"{tr['batch_size']} x {tr['seq_len']} tokens per step "
         f"({report['tokens_seen'] / 1e6:.1f} M tokens), lr {tr['lr']} (betas {tuple(tr['betas'])}, weight decay "
         f"{tr['weight_decay']} except norms, router and embeddings), {tr['warmup_steps']} warm-up steps then cosine "
         f"to {tr['min_lr_ratio']:g} x lr, grad clip {tr['grad_clip']}, router aux loss coefficient "
