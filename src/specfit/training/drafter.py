@@ -469,7 +469,7 @@ def main(args) -> int:
         "data": {**data.summary(), "train_records": len(train_idx), "heldout_records": len(heldout_idx)},
         "openstax_books": sorted({r["book"] for r in _openstax_rows()}), "draft_vocab_coverage": coverage,
         "threads": torch.get_num_threads(), "steps": state["step"],
-        "weights_dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+        "weights_dtype": args.save_dtype,  # as saved (training ran in float32)
         "generation_wall_s": round(generation_wall, 1), "train_wall_s": round(state["train_wall_s"], 1),
         "process_wall_s": round(time.time() - t0, 1), "history": state["history"], **final}
     (out / "training_report.json").write_text(json.dumps(report, indent=1))
