@@ -45,7 +45,6 @@ class LayerRuntime:
         flat = to_host(top_k_index.reshape(-1))[0]  # [T*k] the one planned host sync per layer
         rows = rows_by_expert(flat)  # expert -> its (token, k) rows, on the host: no device bincount
         needed = sorted(rows)
-        counts = {e: len(r) for e, r in rows.items()}
         if rt.untracked:
             groups, weights = [("untracked", needed, None)], [self._untracked(needed)]
             ready = iter([None])
@@ -53,7 +52,7 @@ class LayerRuntime:
             fetch = self.cache.start(needed, rt.forward_counters)
             groups, weights, ready = fetch.groups, None, self.cache.ready(fetch)
         grouped = rt.grouped_experts and weights is None
-        plans = [plan_group(rows, counts, top_k, len(flat), experts, slots, grouped and slots is not None,
+        plans = [plan_group(rows, top_k, len(flat), experts, slots, grouped and slots is not None,
                             self.cache.num_slots) for kind, experts, slots in groups]
         # every index of the layer in one host -> device transfer: rows to read, rows to write, slots (or offsets)
         index = rt.staging.to_device(*[a for p in plans for a in p.arrays()])
@@ -105,10 +104,10 @@ class GroupPlan:
         return self.take, self.dest, self.offsets if self.offsets is not None else (self.slots or [])
 
 
-def plan_group(rows: dict[int, list[int]], counts: dict[int, int], top_k: int, pad: int, experts: list[int],
+def plan_group(rows: dict[int, list[int]], top_k: int, pad: int, experts: list[int],
                slots: list[int] | None, grouped: bool, num_slots: int) -> GroupPlan:
-    """Indices for one group. ``rows[e]``: the (token, k) rows routed to expert e (``rows_by_expert``); ``counts``:
-    how many; ``pad``: T*k, the dummy row padding is written to.
+    """Indices for one group. ``rows[e]``: the (token, k) rows routed to expert e (``rows_by_expert``);
+    ``pad``: T*k, the dummy row padding is written to.
 
     ``slots``: each expert's slot (None: the weights are in a buffer of their own, in ``experts`` order).
     Gathered: expert j's rows are ``take[j*C:(j+1)*C]``, padded to the group's busiest count C with its last row
@@ -117,11 +116,10 @@ def plan_group(rows: dict[int, list[int]], counts: dict[int, int], top_k: int, p
 
     >>> flat = np.array([3, 1, 1, 0])   # token 0 -> experts 3, 1; token 1 -> experts 1, 0 (top_k = 2)
     >>> rows = rows_by_expert(flat)
-    >>> counts = {e: len(r) for e, r in rows.items()}
-    >>> p = plan_group(rows, counts, 2, 4, [1, 3], [2, 0], False, 4)
+    >>> p = plan_group(rows, 2, 4, [1, 3], [2, 0], False, 4)
     >>> p.take, p.dest, p.width
     ([0, 1, 0, 0], [1, 2, 0, 4], 2)
-    >>> p = plan_group(rows, counts, 2, 4, [1, 3], [2, 0], True, 4)
+    >>> p = plan_group(rows, 2, 4, [1, 3], [2, 0], True, 4)
     >>> p.take, p.dest, p.offsets
     ([0, 0, 1], [0, 1, 2], [1, 1, 3, 3])
     """
@@ -134,7 +132,7 @@ def plan_group(rows: dict[int, list[int]], counts: dict[int, int], top_k: int, p
             dest += r
             per_slot[slot] = len(r)
         return GroupPlan(take, dest, None, np.cumsum(per_slot).tolist(), 0)
-    width = max(int(counts[e]) for e in experts)
+    width = max(len(rows[e]) for e in experts)
     take, dest = [], []
     for e in experts:
         r = rows[e]
