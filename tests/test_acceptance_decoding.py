@@ -19,7 +19,8 @@ from specfit.selection.cost_model import CostModel
 from specfit.transfer import Staging
 
 PROMPT = torch.randint(2, 256, (1, 8), generator=torch.Generator().manual_seed(8))
-COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.01)
+COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.002, copy_overhead=0.008,
+                 link_share=1.0)  # a resident expert costs its compute, a missing one 5x that
 
 
 def pool() -> DraftTree:

@@ -130,14 +130,70 @@ def test_drafting_is_charged_per_level_drafted():
         CostModel((0.1, 0.2), beta=1e-4).predict(1, 10, levels=1)
 
 
-def test_the_cache_aware_fit_is_a_model_of_its_own_with_the_same_drafting():
-    extra = {"intercepts": [0.006, 0.0065], "beta": 3.1e-4, "draft_level_seconds": [0.001, 0.002], "r2": 0.99}
-    model = CostModel((0.004, 0.005), 2e-4, {"cache_aware": extra}, draft_level_seconds=(0.001, 0.002))
-    aware = model.cache_aware()
-    assert aware.intercepts == (0.006, 0.0065) and aware.beta == 3.1e-4 and aware.draft_level_seconds == (0.001, 0.002)
-    assert aware.meta == {"source": "cache-aware fit", "r2": 0.99}
-    with pytest.raises(ValueError, match="needs a profile fitted on misses too"):
-        CostModel((0.1,), 1e-4).cache_aware()
+def physical(rng, intercepts, beta, overhead, share, links=(0.0, 3e-4), per_count=30, noise=0.01, slots=24):
+    """Records of a cycle that computes ``demand`` experts and copies ``misses`` of them, each copy costing
+    ``overhead + share x link``: misses vary apart from demand (cache warm or cold), over every link in ``links``."""
+    records = []
+    for n, a in enumerate(intercepts):
+        for _ in range(per_count):
+            demand = int(rng.integers(384, 384 + 150 * (n + 1)))
+            misses = demand if rng.random() < 0.2 else int(demand * rng.uniform(0.05, 0.6))  # cold or warm
+            for link in links:
+                seconds = (a + beta * demand + misses * (overhead + share * link)) * (1 + noise * rng.standard_normal())
+                records.append(Record(n, demand, seconds, misses, link))
+    return records
+
+
+def test_cache_aware_fit_recovers_compute_copy_overhead_and_link_share():
+    truth = (0.020, 0.021, 0.023, 0.024, 0.026, 0.027, 0.029, 0.030)
+    records = physical(np.random.default_rng(0), truth, beta=2e-5, overhead=1e-5, share=0.9)
+    model = CostModel.fit(records, kind="cache-aware")
+    assert model.beta == pytest.approx(2e-5, rel=0.1)
+    assert model.copy_overhead == pytest.approx(1e-5, abs=4e-6) and model.link_share == pytest.approx(0.9, rel=0.05)
+    assert model.intercepts == pytest.approx(truth, rel=0.05) and model.meta["r2"] > 0.95
+    # the model comes back priced at its records' first copy's link (0: a memcpy), and carries to any other
+    assert model.copy == pytest.approx(model.copy_overhead)
+    at = model.priced(1e-3)
+    assert at.copy == pytest.approx(model.copy_overhead + model.link_share * 1e-3)
+    assert at.predict(3, 500, misses=100) == pytest.approx(model.intercepts[3] + model.beta * 500 + at.copy * 100)
+    # demand alone cannot tell a warm cycle from a cold one: the paper's fit explains far less of the same records
+    paper = CostModel.fit(records)
+    assert paper.copy == 0.0 and not paper.prices_copies and paper.meta["r2"] < model.meta["r2"] - 0.2
+
+
+def test_with_one_link_the_whole_link_time_counts_and_the_overhead_is_fitted():
+    truth = (0.02, 0.022, 0.024)
+    records = physical(np.random.default_rng(1), truth, beta=3e-5, overhead=2e-5, share=1.0, links=(4e-4,))
+    model = CostModel.fit(records, kind="cache-aware")
+    assert model.link_share == 1.0  # not identifiable from one link: held at 1
+    assert model.copy_overhead == pytest.approx(2e-5, abs=8e-6) and model.beta == pytest.approx(3e-5, rel=0.15)
+    assert model.copy == pytest.approx(model.copy_overhead + 4e-4)
+
+
+def test_cache_aware_fit_needs_misses_that_vary():
+    records = [Record(n, d, 0.01 + 1e-4 * d, 7, 0.0) for n in range(3) for d in (100, 200, 300)]
+    with pytest.raises(ValueError, match="misses never vary"):
+        CostModel.fit(records, kind="cache-aware")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        CostModel.fit(records, kind="misses")
+
+
+def test_the_paper_fit_is_a_demand_only_model_with_its_setup():
+    extra = {"intercepts": [0.006, 0.0065], "beta": 3.1e-4, "draft_level_seconds": [0.001, 0.002], "slots": 24,
+             "link": "real copies"}
+    model = CostModel((0.004, 0.005), 2e-4, {"paper": extra}, draft_level_seconds=(0.001, 0.002),
+                      copy_overhead=1e-5, link_share=1.0)
+    paper = model.paper()
+    assert paper.intercepts == (0.006, 0.0065) and paper.beta == 3.1e-4 and paper.draft_level_seconds == (0.001, 0.002)
+    assert paper.meta == {"source": "paper fit", "slots": 24, "link": "real copies"} and not paper.prices_copies
+    demand_only = CostModel((0.1,), 1e-4)
+    assert demand_only.paper() is demand_only
+    with pytest.raises(ValueError, match="has no copy coefficient"):
+        demand_only.priced(1e-3)
+    with pytest.raises(ValueError, match="needs the profile's fit on demand alone"):
+        CostModel((0.1,), 1e-4, copy_overhead=0.0, link_share=1.0).paper()
+    with pytest.raises(ValueError, match="come together"):
+        CostModel((0.1,), 1e-4, copy_overhead=0.0)
 
 
 def test_drafting_cannot_exceed_the_intercepts():
@@ -235,11 +291,21 @@ META = {"device": "NVIDIA A100-PCIE-40GB", "model_id": "Qwen/Qwen3-30B-A3B-Instr
         "cache_mode": "cached"}
 
 
+def test_version_3_round_trip_keeps_the_copy_coefficient_and_not_the_link(tmp_path):
+    model = CostModel.fit(physical(np.random.default_rng(5), (0.02, 0.021, 0.023), 2e-5, 1e-5, 0.95),
+                          kind="cache-aware", **META).priced(7e-4)
+    data = json.loads(model.save(tmp_path / "p.json").read_text())
+    assert data["version"] == 3 and data["copy_overhead_s"] == model.copy_overhead
+    assert data["link_share"] == model.link_share and "copy" not in data and "priced_link_seconds" not in data
+    loaded = CostModel.load(tmp_path / "p.json")
+    assert loaded.copy == 0.0 and loaded.priced(7e-4) == model
+
+
 def test_save_load_round_trip(tmp_path):
     model = CostModel.fit(synthetic(np.random.default_rng(2), (0.1, 0.12, 0.13), 3e-4), **META)
     path = model.save(tmp_path / "deep" / "profile.json")
     data = json.loads(path.read_text())
-    assert (data["format"], data["version"], data["units"]) == ("specfit-cost-model", 2, "seconds")
+    assert (data["format"], data["version"], data["units"]) == ("specfit-cost-model", 3, "seconds")
     assert data["slots"] == 48 and data["beta"] == model.beta
     assert CostModel.load(path, expect={"slots": 48, "cache_mode": "cached"}) == model
 
@@ -261,8 +327,8 @@ def test_version_1_profiles_load_as_unassessed(tmp_path):
     assert model.draft_levels == 0  # drafting per level was not measured then
     assert model.quality["verdict"] == "unassessed" and "version-1" in model.quality["reasons"][0]
     assert len(model.quality["reasons"]) == 1
-    again = CostModel.load(model.save(tmp_path / "v2.json"))  # re-saved, it is a version-2 file that says so
-    assert json.loads((tmp_path / "v2.json").read_text())["version"] == 2 and again == model
+    again = CostModel.load(model.save(tmp_path / "v3.json"))  # re-saved, it is a current file that says so
+    assert json.loads((tmp_path / "v3.json").read_text())["version"] == 3 and again == model
 
 
 def test_version_1_profile_with_falling_intercepts_loads_and_says_so(tmp_path):
@@ -274,12 +340,12 @@ def test_version_1_profile_with_falling_intercepts_loads_and_says_so(tmp_path):
     assert "intercepts fall with n (a(1) = 3.29 ms < a(0) = 6.08 ms)" in model.quality["reasons"][1]
 
 
-@pytest.mark.parametrize("path", sorted(REFERENCE.parent.glob("embedded-*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(REFERENCE.parent.glob("embedded*.json")), ids=lambda p: p.name)
 def test_shipped_reference_profiles_load(path):
     model = CostModel.load(path)
     assert model.max_nodes >= 7 and model.meta["model_id"] == "specfit/embedded-qwen3-moe"
-    if json.loads(path.read_text())["version"] == 2:
-        assert model.monotone and model.draft_levels >= 1 and model.quality["verdict"] in ("good", "poor")
+    assert model.prices_copies and model.monotone and model.draft_levels >= 1
+    assert model.quality["verdict"] == "good" and model.paper().beta > 0
 
 
 def write(tmp_path, text):
@@ -303,7 +369,9 @@ GOOD = {"format": "specfit-cost-model", "version": 2, "units": "seconds", "inter
         ({**GOOD, "beta": -1}, "field 'beta' must be a non-negative number, got -1"),
         ({**GOOD, "beta": True}, "field 'beta' must be a non-negative number, got True"),
         ({**GOOD, "format": "other"}, "field 'format' is 'other', expected 'specfit-cost-model'"),
-        ({**GOOD, "version": 3}, "field 'version' is 3, expected 1 or 2 .a newer profile needs a newer specfit"),
+        ({**GOOD, "version": 4}, "field 'version' is 4, expected 1, 2 or 3 .a newer profile needs a newer specfit"),
+        ({**GOOD, "version": 3, "copy_overhead_s": 1e-5}, "'copy_overhead_s' and 'link_share' come together"),
+        ({**GOOD, "version": 3, "copy_overhead_s": 1e-5, "link_share": -1}, "'link_share' must be a non-negative"),
         ({**GOOD, "version": True}, "field 'version' is True"),
         ({k: v for k, v in GOOD.items() if k != "draft_level_seconds"}, "missing field 'draft_level_seconds'"),
         ({**GOOD, "draft_level_seconds": 0.01}, "field 'draft_level_seconds' must be a list"),
@@ -348,18 +416,14 @@ def test_profile_dir_follows_the_environment(monkeypatch, tmp_path):
     assert profile_dir() == tmp_path / "home" / ".cache" / "specfit" / "profiles"
 
 
-def test_profile_path_is_one_safe_file_per_device_model_slots_and_mode(monkeypatch, tmp_path):
+def test_profile_path_is_one_safe_file_per_device_and_model(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECFIT_CACHE", str(tmp_path))
-    path = profile_path("NVIDIA A100-PCIE-40GB", "Qwen/Qwen3-30B-A3B-Instruct-2507", 48, "cached")
+    path = profile_path("NVIDIA A100-PCIE-40GB", "Qwen/Qwen3-30B-A3B [48x128e top8 h2048 bfloat16]")
     assert path.parent == tmp_path / "profiles"
-    assert path.name == "NVIDIA-A100-PCIE-40GB__Qwen--Qwen3-30B-A3B-Instruct-2507__slots48__cached.json"
-    assert profile_path("../../etc", "a b/c:d", 0, "cleared").name == "etc__a-b--c-d__slots0__cleared.json"
-    names = {profile_path("gpu", "m", s, mode).name for s in (24, 48) for mode in ("cached", "cleared")}
-    assert len(names) == 4
-    with pytest.raises(ValueError, match="cache_mode"):
-        profile_path("gpu", "m", 48, "warm")
-    with pytest.raises(ValueError, match="slots"):
-        profile_path("gpu", "m", -1, "cached")
+    assert path.name == "NVIDIA-A100-PCIE-40GB__Qwen--Qwen3-30B-A3B-48x128e-top8-h2048-bfloat16.json"
+    assert profile_path("../../etc", "a b/c:d").name == "etc__a-b--c-d.json"
+    with pytest.raises(ValueError, match="model_key must be a non-empty string"):
+        profile_path("gpu", "")
 
 
 def test_paper_reference_points_are_the_papers_betas():

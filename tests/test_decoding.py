@@ -20,7 +20,8 @@ SHAPES = [  # topk, depth, pool_nodes, max_nodes
     dict(topk=2, depth=5, pool_nodes=10, max_nodes=0),
 ]
 # a cost model under which SpecFit's choices vary: a few nodes pay off, wide unions do not
-COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.01)
+COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.002, copy_overhead=0.008,
+                 link_share=1.0)  # a resident expert costs its compute, a missing one 5x that
 
 
 def enabled(prompt, noise=0.3, slots=4, sharpen=1.0, **kw):

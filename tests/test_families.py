@@ -15,7 +15,8 @@ from specfit.selection.cost_model import CostModel
 from specfit.selection.route_predictor import RoutePredictor
 
 SUPPORTED = [f for f in FAMILIES if f not in HYBRID]
-COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.01)
+COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.002, copy_overhead=0.008,
+                 link_share=1.0)  # a resident expert costs its compute, a missing one 5x that
 PROMPT = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(6))
 NEW = 14  # prompt + new tokens + tree > GPT-OSS's window of 8 and Llama-4's chunk of 8
 

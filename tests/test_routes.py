@@ -14,7 +14,8 @@ from specfit.selection.route_predictor import RoutePredictor, recall
 from specfit.training.router import collect, train
 
 PROMPT = torch.randint(2, 256, (1, 11), generator=torch.Generator().manual_seed(11))
-COST = CostModel((0.010, 0.0105, 0.011, 0.0115, 0.012, 0.0125, 0.013, 0.0135), 2e-4)
+COST = CostModel((0.010, 0.0105, 0.011, 0.0115, 0.012, 0.0125, 0.013, 0.0135), 4e-5, copy_overhead=1.6e-4,
+                 link_share=1.0)  # a resident expert costs its compute, a missing one 5x that
 
 
 def test_recall_by_hand():
@@ -123,29 +124,31 @@ def test_predictor_source_needs_a_predictor():
         configure(cleared, prefetch=True)
 
 
-def test_cache_aware_cost_is_lossless_and_needs_its_fit():
+def test_both_costs_are_lossless_and_the_papers_needs_its_fit():
     model = tiny_moe()
     drafter = SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3)
-    with pytest.raises(ValueError, match="cache-aware"):  # refused where it is given, not at the first generate()
-        specfit.enable(model, cache_slots=5, drafter=drafter, cost_model=COST, cost="cache-aware")
-    specfit.enable(model, cache_slots=5, drafter=drafter, cost_model=COST)
-    with pytest.raises(ValueError, match="cache-aware"):
-        configure(model, cost="cache-aware")
+    no_paper = CostModel(COST.intercepts, COST.beta, copy_overhead=1e-5, link_share=1.0)  # a profile without it
+    with pytest.raises(ValueError, match="cost='paper' needs the profile's fit on demand alone"):  # where given
+        specfit.enable(model, cache_slots=5, drafter=drafter, cost_model=no_paper, cost="paper")
+    specfit.enable(model, cache_slots=5, drafter=drafter, cost_model=no_paper)
+    with pytest.raises(ValueError, match="cost='paper' needs"):
+        configure(model, cost="paper")
     fitted = calibrate(model, [PROMPT], probes=24, warmup=1, max_new_tokens=40).cost
-    aware = fitted.cache_aware()  # the same probes fitted on misses, stored beside the demand fit with its checks
-    assert aware.max_nodes == fitted.max_nodes and aware.draft_level_seconds == fitted.draft_level_seconds
-    assert {"r2", "heldout_r2", "beta_interval_s"} <= set(aware.meta)
-    configure(model, cost_model=fitted, cost="cache-aware")
+    paper = fitted.paper()  # the same probes fitted on demand alone, stored beside the fit with its checks
+    assert paper.max_nodes == fitted.max_nodes and paper.draft_level_seconds == fitted.draft_level_seconds
+    assert {"r2", "heldout_r2", "beta_interval_s", "slots", "link"} <= set(paper.meta) and fitted.prices_copies
     expected = tiny_moe().generate(PROMPT, max_new_tokens=20, do_sample=False)
-    assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False, assistant="specfit"), expected)
+    for cost in ("cache-aware", "paper"):
+        configure(model, cost_model=fitted, cost=cost)
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=20, do_sample=False, assistant="specfit"), expected)
 
 
-def test_cache_aware_selection_prices_resident_experts_at_nothing():
-    """Every draft node needs the same 15 experts per layer, the root one other, and experts dominate the cost: on
-    full demand no subtree pays (16 experts per layer against 1), so the winner is the root alone. With the 15
-    resident in the slot cache, cost="cache-aware" prices them at nothing and the winner verifies draft nodes; with
-    them evicted it is the root alone again. Kills the mutant: cost="cache-aware" ignores residency and prices full
-    demand."""
+def test_cache_aware_selection_prices_resident_experts_at_their_compute_only():
+    """Every draft node needs the same 15 experts per layer, the root one other, and copies dominate the cost: with
+    nothing resident no subtree pays (16 copies per layer against 1), so the winner is the root alone. With the 15
+    resident in the slot cache, cost="cache-aware" prices them at their compute only and the winner verifies draft
+    nodes; with them evicted it is the root alone again; the paper's demand-only price ignores residency. Kills the
+    mutant: the selector ignores residency and prices every expert as a copy."""
     from specfit.decoding.assistants import SpecFitGenerator
     from specfit.selection.route_sources import Cycle
 
@@ -153,12 +156,14 @@ def test_cache_aware_selection_prices_resident_experts_at_nothing():
     shared = np.zeros((layers, experts), dtype=bool)  # [L, E] what every draft node needs
     shared[:, :15] = True
     root = ~shared  # [L, E] what the root needs
-    fit = dict(intercepts=(0.010, 0.0105, 0.011, 0.0115, 0.012, 0.0125, 0.013, 0.0135), beta=1.0)
-    cost = CostModel(**fit, meta={"cache_aware": fit})
+    intercepts = (0.010, 0.0105, 0.011, 0.0115, 0.012, 0.0125, 0.013, 0.0135)
+    cost = CostModel(intercepts, beta=1e-5, meta={"paper": dict(intercepts=intercepts, beta=1.0)},
+                     copy_overhead=1.0, link_share=1.0)
     model = tiny_moe()
     drafter = SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.0)
-    specfit.enable(model, cache_slots=15, drafter=drafter, cost_model=cost, cost="cache-aware")
+    specfit.enable(model, cache_slots=15, drafter=drafter, cost_model=cost)
     runtime = model.specfit
+    assert runtime.options.cost == "cache-aware"  # the default
 
     def winner():
         runtime.backoff = None  # a fresh generator that drafts this cycle, whatever the last one chose
@@ -168,13 +173,14 @@ def test_cache_aware_selection_prices_resident_experts_at_nothing():
         cycle = Cycle(model, cache=None, base=PROMPT.shape[1], root=int(PROMPT[0, 0]))
         tree = gen.draft(cycle)
         assert len(tree) > 0  # it drafted
+        assert gen.predicted_seconds == pytest.approx(gen.winner.predicted_time)  # the forecast of the cycle
         return gen.select(tree, cycle)
 
     runtime.prefetch(shared)
     assert (runtime.resident_mask() == shared).all()
-    assert len(winner()) > 0  # the nodes' experts are resident: free
+    assert len(winner()) > 0  # the nodes' experts are resident: their compute only
     configure(model, cost="paper")
     assert winner() == ()  # the same residency, priced on full demand
     configure(model, cost="cache-aware")
     runtime.clear_cache()
-    assert winner() == ()  # nothing resident: the nodes' experts cost what they do on full demand
+    assert winner() == ()  # nothing resident: the nodes' experts are copies

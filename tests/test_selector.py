@@ -104,6 +104,63 @@ def test_matches_brute_force_on_random_pools():
     assert sizes.count(0) >= 10 and len(set(sizes)) >= 5
 
 
+def brute_force_with_copies(parents, probs, routes, root, cost, max_nodes, resident):
+    """(winner nodes, ratio, demand, misses): every ancestor-closed subset scored as
+    ``(1 + sum p) / (a(n) + beta * demand + copy * |demand outside resident|)``."""
+    scored = []
+    for size in range(min(max_nodes, len(parents)) + 1):
+        for nodes in itertools.combinations(range(len(parents)), size):
+            if any(parents[v] != -1 and parents[v] not in nodes for v in nodes):
+                continue
+            union = root.copy()
+            for v in nodes:
+                union |= routes[v]
+            demand, misses = int(union.sum()), int((union & ~resident).sum())
+            time = cost.intercepts[size] + cost.beta * demand + cost.copy * misses
+            scored.append(((1 + sum(probs[v] for v in nodes)) / time, nodes, demand, misses))
+    top = max(s[0] for s in scored)
+    _, nodes, ratio, demand, misses = min((len(n), n, r, d, m) for r, n, d, m in scored if r >= top * (1 - REL_TIE))
+    return nodes, ratio, demand, misses
+
+
+def test_matches_brute_force_when_copies_are_priced_by_residency():
+    """Resident experts cost only their compute (beta), the others beta + copy: the walk's split of own and shared
+    experts into resident and missing parts must give every subtree exactly its misses."""
+    rng = np.random.default_rng(77)
+    differs = 0
+    for trial in range(120):
+        parents, probs = eagle_tree(rng, depth=int(rng.integers(1, 4))) if trial % 2 else \
+            random_tree(rng, int(rng.integers(0, 12)))
+        layers, experts = int(rng.integers(1, 4)), int(rng.integers(4, 12))
+        routes, root = routes_from(rng, parents, layers, experts, 2)
+        resident = rng.random((layers, experts)) < rng.uniform(0, 1)
+        max_nodes = int(rng.integers(0, 8))
+        base = random_cost(rng, max_nodes)
+        cost = CostModel(base.intercepts, beta=base.beta * rng.uniform(0, 0.3), copy=base.beta)
+
+        got = select_subtree(parents, probs, routes, root, cost, max_nodes=max_nodes, resident=resident)
+        nodes, ratio, demand, misses = brute_force_with_copies(parents, probs, routes, root, cost, max_nodes,
+                                                               resident)
+        assert (got.nodes, got.demand, got.misses) == (nodes, demand, misses), f"trial {trial}"
+        assert got.ratio == pytest.approx(ratio, rel=1e-12)
+        assert got.predicted_time == pytest.approx(cost.predict(len(nodes), demand, misses=misses), rel=1e-12)
+        blind = select_subtree(parents, probs, routes, root, cost, max_nodes=max_nodes)  # nothing resident
+        differs += blind.nodes != got.nodes
+    assert differs >= 5  # residency changes the choice often enough for the test to mean something
+
+
+def test_resident_experts_make_a_node_cheap():
+    # one layer of 4 experts; the root asks for 0; node 0 for {1, 2} (resident), node 1 for {3} (not resident)
+    routes = np.array([[[e in s for e in range(4)]] for s in ({1, 2}, {3})])
+    root = np.array([[True, False, False, False]])
+    resident = np.array([[True, True, True, False]])
+    cost = CostModel((1.0,) * 3, beta=0.01, copy=1.0)
+    sel = select_subtree([-1, -1], [0.5, 0.5], routes, root, cost, max_nodes=1, resident=resident)
+    assert sel.nodes == (0,) and sel.misses == 0 and sel.demand == 3
+    sel = select_subtree([-1, -1], [0.5, 0.5], routes, root, cost, max_nodes=1)  # nothing resident: same price
+    assert sel.misses == sel.demand
+
+
 def test_invariants_on_eagle_pools_of_18_nodes():
     rng = np.random.default_rng(7)
     for _ in range(30):

@@ -10,7 +10,8 @@ from conftest import SelfDrafter, tiny_moe
 import specfit
 from specfit.selection.cost_model import CostModel
 
-COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.01)
+COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.002, copy_overhead=0.008,
+                 link_share=1.0)  # a resident expert costs its compute, a missing one 5x that
 PROMPTS = [torch.tensor([[5, 17, 99, 3, 42, 7]]), torch.tensor([[9, 2, 77, 31]]), torch.tensor([[8, 8, 120, 4, 66]])]
 METHODS = (None, "eagle3", "specfit")
 

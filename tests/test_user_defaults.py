@@ -16,7 +16,8 @@ from specfit.selection.cost_model import CostModel
 from specfit.selection.route_predictor import RoutePredictor
 
 PROMPT = torch.randint(2, 256, (1, 9), generator=torch.Generator().manual_seed(9))
-COST = CostModel((0.010, 0.0105, 0.011, 0.0115, 0.012, 0.0125, 0.013, 0.0135), 2e-4)
+COST = CostModel((0.010, 0.0105, 0.011, 0.0115, 0.012, 0.0125, 0.013, 0.0135), 4e-5, copy_overhead=1.6e-4,
+                 link_share=1.0)  # a resident expert costs its compute, a missing one 5x that
 
 
 @pytest.fixture

@@ -35,8 +35,9 @@ _LAZY = {
     "select_subtree": "specfit.selection.selector",
     "Selection": "specfit.selection.selector",
     "CostModel": "specfit.selection.cost_model",
-    # measuring on your own prompts
+    # measuring on your own prompts, calibrating a model built in code
     "compare": "specfit.evaluation.comparison",
+    "calibrate": "specfit.evaluation.calibrate:fit_profile",
     "AcceptanceModel": "specfit.selection.acceptance_model",
     "AcceptanceTables": "specfit.selection.acceptance_model",
 }
@@ -48,7 +49,8 @@ __all__ = sorted(_LAZY) + list(_SUBPACKAGES) + ["__version__"]
 
 def __getattr__(name):
     if name in _LAZY:
-        value = getattr(import_module(_LAZY[name]), name)
+        module, _, attr = _LAZY[name].partition(":")  # "module" or "module:attribute"
+        value = getattr(import_module(module), attr or name)
         globals()[name] = value
         return value
     if name in _SUBPACKAGES:

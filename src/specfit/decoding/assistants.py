@@ -9,9 +9,10 @@ A tree candidate generator owns phases 1 (draft), 2 (select) and 6 (observe) of 
   winning subtree takes no node of the newest level; verifies exactly the winner. The selector's expected tokens
   are path values from the acceptance model (``acceptance="calibrated"``, the default: per-node acceptance
   estimates, learned online from what the target did with every drafted child it scored), or the paper's path
-  probabilities (``acceptance="paper"``). Options: where draft-node routes come from (``route_source``),
-  prefetching the winner's experts while the next level is drafted (``prefetch``), and a cache-aware cost in which
-  resident experts are free (``cost="cache-aware"``).
+  probabilities (``acceptance="paper"``). The cost of a subtree is what its verify forward computes and copies
+  (``cost="cache-aware"``, the default: experts resident in the slot cache cost their compute, the others their
+  compute and a copy), or the paper's demand alone (``cost="paper"``). Options: where draft-node routes come from
+  (``route_source``), prefetching the winner's experts while the next level is drafted (``prefetch``).
 
 Register your own with ``register_assistant(name, factory)``; ``factory(model)`` returns a ``TreeCandidateGenerator``.
 """
@@ -41,6 +42,7 @@ class TreeCandidateGenerator(CandidateGenerator):
     """
 
     expected_tokens: float = 0.0  # tokens the cycle just selected is expected to commit (0.0: no estimate)
+    predicted_seconds: float | None = None  # the cost model's forecast of the cycle just selected (None: none)
 
     def start(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """After prefill: target features [1, P, 3H] of the prompt and the token after each ([1, P])."""
@@ -100,9 +102,7 @@ class SpecFitGenerator(Eagle3Generator):
         super().__init__(model)
         runtime = self.runtime = model.specfit
         opts = runtime.options
-        self.cost = resolve_cost_model(model)
-        if opts.cost == "cache-aware":
-            self.cost = self.cost.cache_aware()
+        self.cost = resolve_cost_model(model)  # priced for this model's link and the option's cost
         if self.cost.max_nodes < self.max_nodes:
             raise ValueError(f"the cost model predicts up to {self.cost.max_nodes} nodes but max_nodes is "
                              f"{self.max_nodes}; recalibrate or lower max_nodes")
@@ -112,7 +112,6 @@ class SpecFitGenerator(Eagle3Generator):
         self.routes = resolve_route_source(model, opts.route_source)
         if hasattr(self.routes, "attach"):  # a predictor runs inside the drafter's levels
             self.routes.attach(self.drafter)
-        self.cache_aware = opts.cost == "cache-aware"
         self.prefetch = opts.prefetch
         self.winner = None
         # kept on the runtime across generate() calls: whether drafting pays is a property of the model, the cache
@@ -125,6 +124,11 @@ class SpecFitGenerator(Eagle3Generator):
         self.acceptance: AcceptanceModel | None = None  # this cycle's (per decoding mode, kept on the runtime)
         self.values: list[float] = []  # path value of each pool node this cycle
         self.estimates: list[float] = []  # acceptance estimate of each pool node this cycle
+        # the root's (demand, misses) for forecasting a cycle that drafts nothing: from the last drafted cycle's
+        # routes, or the last root-only forward; first guess: top-k experts per layer, none resident
+        top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or 1
+        self._root = (len(runtime.layers) * int(top_k),) * 2
+        self._skipped = False
 
     def start(self, features, next_tokens):
         """The prompt waits with the committed pairs while drafting is skipped (the backoff carries over from the
@@ -153,7 +157,12 @@ class SpecFitGenerator(Eagle3Generator):
         target forward on the root, as in plain decoding."""
         self.winner = None
         self.expected_tokens = 1.0  # a cycle that verifies the root alone commits exactly its bonus token
-        if self.backoff.skip():
+        if self._skipped:  # the last cycle verified the root alone: its forward's figures are the root's
+            last = self.runtime.stats.last_forward
+            self._root = (last.demand, last.misses)
+        self._skipped = self.backoff.skip()
+        if self._skipped:
+            self.predicted_seconds = self._predict_root_only()
             return DraftTree()
         self._catch_up()
         cycle.drafter = self.drafter
@@ -161,22 +170,30 @@ class SpecFitGenerator(Eagle3Generator):
         if self.calibrated:
             self.acceptance = acceptance_model(self.runtime, cycle.sampling)
         tree = DraftTree()
+        resident = self.runtime.resident_mask() if self.cost.copy else None  # [L, E], as this cycle starts
         for tree in self.drafter.levels():
-            node_routes, root_routes = self.routes(cycle, tree)
-            costed_nodes, costed_root = node_routes, root_routes
-            if self.cache_aware:  # resident experts cost nothing: drop them from the demand
-                resident = self.runtime.resident_mask()  # [L, E]
-                costed_nodes, costed_root = node_routes & ~resident, root_routes & ~resident
+            node_routes, root_routes = self.routes(cycle, tree)  # [N, L, E], [L, E]
             cost = self.level_costs[tree.depth - 1] if self.level_costs else self.cost
             values = self._path_values(tree) if self.calibrated else tree.path_probs
-            self.winner = select_subtree(tree.parents, values, costed_nodes, costed_root, cost, self.max_nodes)
+            self.winner = select_subtree(tree.parents, values, node_routes, root_routes, cost, self.max_nodes,
+                                         resident=resident)
             if self.prefetch:  # copy what the winner needs while the next level is drafted (residents: kept fresh)
                 self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
             if not takes_from_level(self.winner, tree.depths, tree.depth):
                 break
-        self.backoff.record(paid=self._paid(costed_root))
+        root_demand = int(root_routes.sum())
+        self._root = (root_demand, root_demand if resident is None else int((root_routes & ~resident).sum()))
+        self.backoff.record(paid=self._paid())
         self.expected_tokens = self.winner.expected_tokens
+        self.predicted_seconds = self.winner.predicted_time  # at the levels drafted (level_costs)
         return tree
+
+    def _predict_root_only(self) -> float:
+        """The forecast of a cycle that drafts nothing and verifies the root alone (a plain decoding step)."""
+        demand, misses = self._root
+        if self.level_costs is None:
+            return self.cost.predict(0, demand, misses=misses)
+        return self.cost.predict(0, demand, levels=0, misses=misses)
 
     def _path_values(self, tree) -> list[float]:
         """Path values of the pool (the newest level's nodes estimated now): products of acceptance estimates."""
@@ -202,14 +219,14 @@ class SpecFitGenerator(Eagle3Generator):
         if log is not None:
             log += [(depths[v], ranks[v], qs[v], self.estimates[v], y) for v, y in zip(nodes, labels)]
 
-    def _paid(self, costed_root) -> bool:
+    def _paid(self) -> bool:
         """Whether this cycle's drafting paid for itself: its winner verifies draft nodes and, when the profile
         prices drafting per level, predicts more tokens per second than a cycle that drafts nothing."""
         if not self.winner.nodes:
             return False
         if self.level_costs is None:
             return True
-        return self.winner.ratio * self.cost.predict(0, int(costed_root.sum()), levels=0) > 1.0
+        return self.winner.ratio * self._predict_root_only() > 1.0
 
     def select(self, tree, cycle):
         return self.winner.nodes if self.winner is not None else ()

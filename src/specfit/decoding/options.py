@@ -18,7 +18,9 @@ class DecodingOptions:
     max_nodes: int = 7  # draft nodes verified per cycle at most (EAGLE-3 verifies exactly this many)
     route_source: str = AUTO  # where SpecFit's selector gets draft-node routes (see selection/route_sources.py)
     prefetch: bool = False  # copy the current winner's (predicted) experts while the next level is drafted
-    cost: str = "paper"  # "paper": beta per expert of demand; "cache-aware": resident experts cost nothing
+    # "cache-aware": an expert costs its compute, and a copy when it is not resident in the slot cache (one profile
+    # prices every slot count and link); "paper": the paper's beta per expert of demand, resident or not
+    cost: str = "cache-aware"
     # what SpecFit's selector counts as expected tokens: "calibrated", path values from the acceptance model
     # (selection/acceptance_model.py); "paper", the paper's 1 + sum of drafted path probabilities
     acceptance: str = "calibrated"
@@ -27,8 +29,9 @@ class DecodingOptions:
         if self.route_source != AUTO and self.route_source not in ROUTE_SOURCES:
             raise ValueError(f"unknown route_source {self.route_source!r}; choose {AUTO!r} (the default: a trained "
                              f"predictor, else the target's gates) or one of {sorted(ROUTE_SOURCES)}")
-        if self.cost not in ("paper", "cache-aware"):
-            raise ValueError(f"cost must be 'paper' or 'cache-aware', got {self.cost!r}")
+        if self.cost not in ("cache-aware", "paper"):
+            raise ValueError(f"cost must be 'cache-aware' (compute and copies, the default) or 'paper' (demand "
+                             f"alone), got {self.cost!r}")
         if self.acceptance not in ("calibrated", "paper"):
             raise ValueError(f"acceptance must be 'calibrated' (the acceptance model's path values, the default) or "
                              f"'paper' (1 + sum of path probabilities), got {self.acceptance!r}")

@@ -38,12 +38,12 @@ METHODS = {
     "specfit-paper": Method("SpecFit, paper reward", "specfit", options=(("acceptance", "paper"),)),
     # exact routes from an extra target forward per drafted level: the paper's measurement device
     "specfit-oracle": Method("SpecFit, exact routes*", "specfit", options=(("route_source", "oracle"),)),
-    # variants: each route source on its own, prefetch, and the cache-aware cost option
+    # variants: each route source on its own, prefetch, and the paper's demand-only cost
     "specfit-gate": Method("SpecFit, gate routes", "specfit", options=(("route_source", "gate"),)),
     "specfit-predictor": Method("SpecFit, predictor", "specfit", options=(("route_source", "predictor"),)),
     "specfit-prefetch": Method("SpecFit, pred.+prefetch", "specfit",
                                options=(("route_source", "predictor"), ("prefetch", True))),
-    "specfit-cache-aware": Method("SpecFit, cache-aware", "specfit", options=(("cost", "cache-aware"),)),
+    "specfit-paper-cost": Method("SpecFit, paper cost", "specfit", options=(("cost", "paper"),)),
     # transformers' own prompt-lookup decoding on the same offloaded model: what a user tries first, no drafter
     "prompt-lookup": Method("Prompt lookup (10)", None, generate=(("prompt_lookup_num_tokens", 10),)),
 }
@@ -106,8 +106,7 @@ class Row:
 def load_instances(methods, slots: int | None, link, prepare=None) -> tuple[dict, object]:
     """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared). ``link``: a
     ``LinkConfig``, seconds per expert copy, or None. ``prepare(model, method)`` runs before the method's decoding
-    options are set (``specfit bench`` calibrates a missing cost profile there: ``cost="cache-aware"`` is refused
-    without one)."""
+    options are set (``specfit bench`` calibrates a missing cost profile there)."""
     from transformers import AutoConfig
 
     from .. import embedded

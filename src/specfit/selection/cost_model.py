@@ -1,16 +1,26 @@
-"""The cycle-time model: ``time(n, demand) = intercepts[n] + beta * demand``.
+"""The cycle-time model: ``time = intercepts[n] + beta * demand + copy * misses``.
 
-``n`` is the number of draft nodes a cycle verifies (the root token not counted) and ``demand`` the expert demand,
-``sum over layers of |union of the experts the verified tokens route to|``. ``intercepts[n]`` holds everything that
-does not scale with experts (drafting, attention, dense layers, launch overhead); ``beta`` is the time per expert of
-demand (mostly host-to-device copies of the experts the slot cache misses). Both are fitted once per device, model,
-slot count and cache mode on calibration probes, and frozen in a JSON *profile*.
+``n`` is the number of draft nodes a cycle verifies (the root token not counted), ``demand`` the experts the cycle
+*computes* (``sum over layers of |union of the experts the verified tokens route to|``) and ``misses`` the experts it
+*copies* (those of the demand not resident in the slot cache when the cycle starts). ``intercepts[n]`` holds
+everything that does not scale with experts (drafting, attention, dense layers, launch overhead); ``beta`` is the
+compute of one expert (real on a CPU, small on a GPU); ``copy`` is the time one copy adds. A cycle's misses are known
+at selection time from the live residency mask of the slot cache, so the selector prices what the verify forward
+will really move (``cost="cache-aware"``, the default). The paper's model is the special case ``copy = 0``: every
+expert of demand costs the same ``beta``, resident or not (``cost="paper"``).
 
-Two rules shape the fit. Verifying more nodes cannot be cheaper at equal demand, so the intercepts never fall with
-``n``: the fit solves non-negative least squares on the *increments* ``intercepts[n] - intercepts[n - 1] >= 0``.
-And drafting is paid per level actually drafted: ``draft_level_seconds[l]`` is the time of drafting level ``l + 1``,
-measured by the probes, which draft every level; ``intercepts`` include all of them, and ``predict(..., levels=L)``
-(or ``at_levels(L)``, a model the selector takes as it is) charges only the first ``L``.
+One profile per machine and model. ``copy`` belongs to the link, not to the profile: a profile stores
+``copy_overhead`` (what a copy costs besides the link's own time: bookkeeping, the slot write) and ``link_share``
+(the share of the link's time a cycle waits for), and ``priced(link_seconds)`` makes the model for a link whose one
+copy takes ``link_seconds`` (an emulated link: its set time per copy of this expert's bytes; CUDA: bytes over the
+measured pinned bandwidth). Slots change only how often an expert misses, not what a miss costs, so the same profile
+prices any slot count, cache mode and link.
+
+Two rules shape the fit. Verifying more nodes cannot be cheaper at equal demand and misses, so the intercepts never
+fall with ``n``: the fit solves non-negative least squares on the *increments* ``intercepts[n] - intercepts[n - 1]
+>= 0``. And drafting is paid per level actually drafted: ``draft_level_seconds[l]`` is the time of drafting level
+``l + 1``, measured by the probes, which draft every level; ``intercepts`` include all of them, and
+``predict(..., levels=L)`` (or ``at_levels(L)``, a model the selector takes as it is) charges only the first ``L``.
 
 No torch here; the probes that produce the records are defined in ``specfit.evaluation.calibrate``, and the checks of
 a fit's quality in ``specfit.selection.fit_quality``.
@@ -22,21 +32,25 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from ..offload.config import CACHE_MODES
-
-__all__ = ["CostModel", "Record", "ProfileError", "profile_dir", "profile_path", "FORMAT", "VERSION", "VERDICTS"]
+__all__ = ["CostModel", "Record", "Coefficients", "ProfileError", "profile_dir", "profile_path", "FORMAT", "VERSION",
+           "VERDICTS", "KINDS"]
 
 FORMAT = "specfit-cost-model"
-VERSION = 2  # 2: monotone intercepts, per-level drafting times, a recorded fit quality; version 1 still loads
+# 3: a coefficient per expert computed (beta) and per expert copied (copy_overhead + link_share x the link's time),
+#    one profile per machine and model; 2: monotone intercepts, per-level drafting, a recorded fit quality, demand
+#    only (one profile per slot count and link); versions 1 and 2 still load, as demand-only models
+VERSION = 3
 VERDICTS = ("good", "poor", "unassessed")  # meta["quality"]["verdict"]; "unassessed": a version-1 profile
-_RESERVED = ("format", "version", "units", "intercepts", "beta", "draft_level_seconds")
+KINDS = ("cache-aware", "paper")  # what a fit prices: demand and copies, or demand alone (the paper's model)
+_RESERVED = ("format", "version", "units", "intercepts", "beta", "draft_level_seconds", "copy_overhead_s",
+             "link_share")
 _TOLERANCE = 1e-12  # seconds: rounding slack when checking that intercepts cover the drafting
 
 
@@ -45,38 +59,68 @@ class ProfileError(ValueError):
 
 
 class Record(NamedTuple):
-    """One timed calibration cycle: ``n_nodes`` draft nodes verified, ``demand`` experts asked for, ``seconds``."""
+    """One timed calibration cycle: ``n_nodes`` draft nodes verified, ``demand`` experts computed, ``seconds``;
+    ``misses`` experts copied, each over a link whose own time per copy was ``link_seconds`` (0: no emulated link,
+    a plain memcpy)."""
 
     n_nodes: int
     demand: float
     seconds: float
+    misses: float = 0.0
+    link_seconds: float = 0.0
+
+
+class Coefficients(NamedTuple):
+    """A fit's numbers (see ``fit_coefficients``)."""
+
+    intercepts: list  # seconds for n = 0..max_nodes
+    beta: float  # seconds per expert computed
+    copy_overhead: float  # seconds per expert copied, beside the link's own time (0 for the paper's model)
+    link_share: float  # share of the link's time per copy a cycle waits for (1 when it cannot be told apart)
+    observed: list  # node counts with records
+
+    def predict(self, rows: np.ndarray) -> np.ndarray:
+        """Seconds for ``[R, 5]`` rows of (n_nodes, demand, seconds, misses, link_seconds)."""
+        n, demand, _, misses, link = np.asarray(rows, float).T
+        return (np.asarray(self.intercepts)[n.astype(int)] + self.beta * demand
+                + misses * (self.copy_overhead + self.link_share * link))
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Predicted cycle time ``intercepts[n_nodes] + beta * demand``, in seconds.
+    """Predicted cycle time ``intercepts[n_nodes] + beta * demand + copy * misses``, in seconds.
 
     Attributes:
         intercepts: fixed time of a cycle verifying ``n`` draft nodes, for ``n = 0 .. len(intercepts) - 1``, when
             the drafter drafts ``draft_levels`` levels (what the calibration probes drafted; all of them).
-        beta: seconds per expert of demand.
-        meta: provenance, stored next to the numbers in the profile (device, model_id, slots, cache_mode, fit
-            quality, date, ...); JSON-serialisable values. ``meta["quality"]``, when present, is the calibration's
-            verdict on the fit (see ``specfit.selection.fit_quality``).
+        beta: seconds per expert computed (of demand, resident or not).
+        meta: provenance, stored next to the numbers in the profile (device, model_id, fit quality, date, ...);
+            JSON-serialisable values. ``meta["quality"]``, when present, is the calibration's verdict on the fit
+            (see ``specfit.selection.fit_quality``); ``meta["paper"]`` the same probes fitted on demand alone.
         draft_level_seconds: seconds of drafting level ``1, 2, ..`` each (empty: drafting is not modelled per level,
             and ``levels`` cannot be asked for). Every intercept includes all of them.
+        copy: seconds per expert copied, for the link this model is priced at (0: copies cost nothing beyond
+            ``beta``, the paper's model). ``priced(link_seconds)`` sets it from the two fields below.
+        copy_overhead: seconds a copy adds beside the link's own time; None for a demand-only model.
+        link_share: the share of the link's time per copy a cycle waits for; None for a demand-only model.
 
     >>> m = CostModel(intercepts=(0.10, 0.11, 0.12), beta=0.2e-3, draft_level_seconds=(0.002, 0.004, 0.004))
     >>> round(m.predict(2, demand=500), 6)      # 0.12 + 500 * 0.0002: all three levels drafted
     0.22
     >>> round(m.predict(2, demand=500, levels=1), 6)   # level 2 and 3 not drafted: 0.008 s less
     0.212
+    >>> c = CostModel((0.10, 0.11), beta=1e-5, copy_overhead=2e-5, link_share=1.0).priced(link_seconds=3e-4)
+    >>> round(c.copy, 9), round(c.predict(1, demand=400, misses=30), 6)   # 0.11 + 400 * 1e-5 + 30 * 3.2e-4
+    (0.00032, 0.1236)
     """
 
     intercepts: tuple[float, ...]
     beta: float
     meta: dict = field(default_factory=dict, hash=False)
     draft_level_seconds: tuple[float, ...] = ()
+    copy: float = 0.0
+    copy_overhead: float | None = None
+    link_share: float | None = None
 
     def __post_init__(self):
         intercepts = tuple(_number(a, f"intercepts[{i}]") for i, a in enumerate(self.intercepts))
@@ -84,6 +128,13 @@ class CostModel:
             raise ValueError("field 'intercepts' must hold at least one value (n = 0)")
         object.__setattr__(self, "intercepts", intercepts)
         object.__setattr__(self, "beta", _number(self.beta, "beta"))
+        object.__setattr__(self, "copy", _number(self.copy, "copy"))
+        if (self.copy_overhead is None) != (self.link_share is None):
+            raise ValueError("fields 'copy_overhead_s' and 'link_share' come together (a model that prices copies) "
+                             "or not at all (a demand-only model)")
+        if self.copy_overhead is not None:
+            object.__setattr__(self, "copy_overhead", _number(self.copy_overhead, "copy_overhead_s"))
+            object.__setattr__(self, "link_share", _number(self.link_share, "link_share"))
         levels = tuple(_number(t, f"draft_level_seconds[{i}]") for i, t in enumerate(self.draft_level_seconds))
         object.__setattr__(self, "draft_level_seconds", levels)
         if sum(levels) > min(intercepts) + _TOLERANCE:
@@ -119,26 +170,46 @@ class CostModel:
         """The calibration's verdict on this fit (``meta["quality"]``), or None for a model that was not assessed."""
         return self.meta.get("quality")
 
-    def cache_aware(self) -> "CostModel":
-        """The profile's second fit, on expert *misses* instead of demand (experts resident in the slot cache cost
-        nothing): the model for ``cost="cache-aware"``, with the same drafting levels. ``specfit calibrate`` stores
-        it in ``meta["cache_aware"]``.
+    @property
+    def prices_copies(self) -> bool:
+        """Whether this model has a copy coefficient of its own (a version-3 profile), so ``priced`` can carry it
+        to any link; a demand-only model (the paper's, or a version-1/2 profile) has none."""
+        return self.copy_overhead is not None
 
-        >>> m = CostModel((0.02, 0.03), 2e-4, {"cache_aware": {"intercepts": [0.025, 0.03], "beta": 3e-4}})
-        >>> m.cache_aware().beta, m.cache_aware().meta["source"]
-        (0.0003, 'cache-aware fit')
+    def priced(self, link_seconds: float) -> "CostModel":
+        """This profile on a link whose own time per expert copy is ``link_seconds`` (0: no link, a memcpy):
+        ``copy = copy_overhead + link_share * link_seconds``.
+
+        >>> round(CostModel((0.1,), 1e-5, copy_overhead=1e-5, link_share=0.9).priced(1e-3).copy, 9)
+        0.00091
         """
-        extra = self.meta.get("cache_aware")
+        if not self.prices_copies:
+            raise ValueError("this cost model prices demand only (the paper's model, or a profile from before "
+                             "version 3): it has no copy coefficient to carry to a link; recalibrate with this "
+                             "version of `specfit calibrate`")
+        link_seconds = _number(link_seconds, "link_seconds")
+        return replace(self, copy=self.copy_overhead + self.link_share * link_seconds,
+                       meta={**self.meta, "priced_link_seconds": link_seconds})
+
+    def paper(self) -> "CostModel":
+        """The paper's demand-only model (``cost="paper"``): this model itself when it prices demand only, else the
+        same probes fitted on demand alone (``meta["paper"]``), which is valid only at the slot count and link the
+        calibration ran with (recorded in its meta).
+
+        >>> m = CostModel((0.02,), 1e-5, {"paper": {"intercepts": [0.025], "beta": 3e-4, "slots": 12}},
+        ...               copy_overhead=0.0, link_share=1.0)
+        >>> m.paper().beta, m.paper().meta["slots"]
+        (0.0003, 12)
+        """
+        if not self.prices_copies:
+            return self
+        extra = self.meta.get("paper")
         if not isinstance(extra, dict) or "intercepts" not in extra or "beta" not in extra:
-            if self.meta.get("cache_aware_error"):  # calibrated, but misses could not be fitted at this slot count
-                raise ValueError(f"cost='cache-aware' needs a fit on expert misses, and calibration could not fit "
-                                 f"one for this setup ({self.meta['cache_aware_error']}); misses then tell the "
-                                 f"selector nothing demand does not: use cost='paper'")
-            raise ValueError("cost='cache-aware' needs a profile fitted on misses too; recalibrate with this version "
-                             "of `specfit calibrate`")
+            raise ValueError("cost='paper' needs the profile's fit on demand alone, and this profile has none; "
+                             "recalibrate with this version of `specfit calibrate`")
         levels = extra.get("draft_level_seconds", self.draft_level_seconds)
-        meta = {"source": "cache-aware fit", **{k: v for k, v in extra.items()
-                                                 if k not in ("intercepts", "beta", "draft_level_seconds")}}
+        meta = {"source": "paper fit", **{k: v for k, v in extra.items()
+                                          if k not in ("intercepts", "beta", "draft_level_seconds")}}
         return CostModel(tuple(extra["intercepts"]), extra["beta"], meta, tuple(levels))
 
     def drafting_seconds(self, levels: int) -> float:
@@ -161,12 +232,13 @@ class CostModel:
         """
         shift = self.drafting_seconds(levels) - sum(self.draft_level_seconds)
         extra = self.draft_level_seconds[:levels] + (self.draft_level_seconds[-1],) * max(0, levels - self.draft_levels)
-        return CostModel(tuple(max(a + shift, 0.0) for a in self.intercepts), self.beta, dict(self.meta), extra)
+        return replace(self, intercepts=tuple(max(a + shift, 0.0) for a in self.intercepts), meta=dict(self.meta),
+                       draft_level_seconds=extra)
 
-    def predict(self, n_nodes: int, demand: float, levels: int | None = None) -> float:
-        """Predicted seconds for a cycle verifying ``n_nodes`` draft nodes with ``demand`` experts of demand, having
-        drafted ``levels`` levels (None: the ``draft_levels`` the intercepts include). With ``levels=0`` nothing was
-        drafted, so nothing can be verified: ``n_nodes`` must be 0."""
+    def predict(self, n_nodes: int, demand: float, levels: int | None = None, misses: float = 0.0) -> float:
+        """Predicted seconds for a cycle verifying ``n_nodes`` draft nodes that computes ``demand`` experts and
+        copies ``misses`` of them, having drafted ``levels`` levels (None: the ``draft_levels`` the intercepts
+        include). With ``levels=0`` nothing was drafted, so nothing can be verified: ``n_nodes`` must be 0."""
         if not 0 <= n_nodes <= self.max_nodes:
             raise ValueError(f"n_nodes={n_nodes} is outside the fitted range 0..{self.max_nodes}")
         fixed = self.intercepts[n_nodes]
@@ -174,52 +246,54 @@ class CostModel:
             if levels == 0 and n_nodes > 0:
                 raise ValueError(f"n_nodes={n_nodes} with levels=0: a cycle that drafts nothing verifies no node")
             fixed = max(fixed + self.drafting_seconds(levels) - sum(self.draft_level_seconds), 0.0)
-        return fixed + self.beta * demand
+        return fixed + self.beta * demand + self.copy * misses
 
     @classmethod
-    def fit(cls, records: Iterable, max_nodes: int | None = None, draft_level_seconds=(), **meta) -> "CostModel":
-        """Fit intercepts and beta to timed cycles by non-negative least squares, with intercepts that cannot fall.
+    def fit(cls, records: Iterable, max_nodes: int | None = None, draft_level_seconds=(), kind: str = "paper",
+            **meta) -> "CostModel":
+        """Fit intercepts and the expert coefficients to timed cycles by non-negative least squares, with intercepts
+        that cannot fall.
 
         Args:
-            records: ``(n_nodes, demand, seconds)`` tuples or ``Record``s; ``seconds`` includes the drafting of
-                every level (the probes draft them all).
+            records: ``Record``s or tuples ``(n_nodes, demand, seconds[, misses, link_seconds])``; ``seconds``
+                includes the drafting of every level (the probes draft them all).
             max_nodes: the last intercept to return; defaults to the largest ``n_nodes`` seen.
             draft_level_seconds: measured drafting time of each level (see the class); the smallest intercept is
                 held at or above their sum, since every cycle the probes timed paid them.
-            **meta: provenance stored in ``meta`` (device, model_id, slots, cache_mode, ...). It may override the
-                fit-quality keys the fit writes (``r2``, ``rms_residual_s``, ``max_abs_residual_s``, ``n_records``,
-                ``observed_nodes``, ``date``), e.g. a fixed ``date`` for a reproducible file.
-
-        The unknowns are ``intercepts[n0] - floor`` (``n0`` the smallest observed count, ``floor`` the drafting
-        sum), the increments between consecutive observed counts, and beta, all >= 0 (``scipy.optimize.nnls``): a
-        record at count ``n`` has a 1 for the base, for every increment up to ``n``, and its demand. Fitting
-        increments instead of one free intercept per count keeps NNLS from trading intercepts against beta when
-        demand grows with the count. A count with no record has no data for its intercept: it is filled by linear
-        interpolation between the nearest observed counts, or beyond the observed range by extending the line
-        through the two nearest observed counts (clamped at ``floor``; flat if only one count was observed).
-        ``meta["observed_nodes"]`` lists the counts that were measured.
+            kind: ``"paper"``, demand alone (``beta`` per expert computed, copies not told apart); ``"cache-aware"``,
+                demand and copies (``beta``, ``copy_overhead``, ``link_share``; see ``fit_coefficients``). A
+                cache-aware model comes back priced at the link of its records' first copy
+                (``priced(link_seconds)`` moves it to another).
+            **meta: provenance stored in ``meta`` (device, model_id, ...). It may override the fit-quality keys the
+                fit writes (``r2``, ``rms_residual_s``, ``max_abs_residual_s``, ``n_records``, ``observed_nodes``,
+                ``date``), e.g. a fixed ``date`` for a reproducible file.
 
         >>> recs = [(n, d, 0.1 + 0.01 * n + 2e-4 * d) for n in range(3) for d in (100, 300, 600)]
         >>> m = CostModel.fit(recs, date="2025-01-01")
         >>> [round(a, 6) for a in m.intercepts], round(m.beta, 9), m.meta["n_records"]
         ([0.1, 0.11, 0.12], 0.0002, 9)
         """
-        rows = np.array([tuple(Record(*r)) for r in records], dtype=float).reshape(-1, 3)
+        rows = as_rows(records)
         levels = tuple(_number(t, f"draft_level_seconds[{i}]") for i, t in enumerate(draft_level_seconds))
         top = None if max_nodes is None else int(max_nodes)
-        intercepts, beta, observed = fit_coefficients(rows, top, floor=sum(levels))
-        n_nodes, demand, seconds = rows.T
-        residual = seconds - (np.asarray(intercepts)[n_nodes.astype(int)] + beta * demand)
+        coef = fit_coefficients(rows, top, floor=sum(levels), kind=kind)
+        residual = rows[:, 2] - coef.predict(rows)
+        seconds = rows[:, 2]
         spread = float(np.sum((seconds - seconds.mean()) ** 2))
         quality = {
             "r2": 1.0 - float(residual @ residual) / spread if spread > 0 else None,
             "rms_residual_s": float(np.sqrt(np.mean(residual**2))),
             "max_abs_residual_s": float(np.max(np.abs(residual))),
             "n_records": len(rows),
-            "observed_nodes": observed,
+            "observed_nodes": coef.observed,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        return cls(tuple(intercepts), beta, {**quality, **meta}, levels)
+        model = cls(tuple(coef.intercepts), coef.beta, {**quality, **meta}, levels)
+        if kind == "paper":
+            return model
+        copied = rows[rows[:, 3] > 0]
+        link = float(copied[0, 4]) if len(copied) else 0.0
+        return replace(model, copy_overhead=coef.copy_overhead, link_share=coef.link_share).priced(link)
 
     @classmethod
     def default(cls, max_nodes: int = 7) -> "CostModel":
@@ -234,9 +308,14 @@ class CostModel:
 
     def to_json(self) -> dict:
         """The profile as a JSON object: format tag, version, units, intercepts, beta, the drafting time of each
-        level, then the meta fields."""
-        return {"format": FORMAT, "version": VERSION, "units": "seconds", "intercepts": list(self.intercepts),
-                "beta": self.beta, "draft_level_seconds": list(self.draft_level_seconds), **self.meta}
+        level, the copy coefficient's two parts (a model that prices copies), then the meta fields. ``copy`` is
+        not stored: it belongs to the link the profile is used with."""
+        data = {"format": FORMAT, "version": VERSION, "units": "seconds", "intercepts": list(self.intercepts),
+                "beta": self.beta, "draft_level_seconds": list(self.draft_level_seconds)}
+        if self.prices_copies:
+            data.update(copy_overhead_s=self.copy_overhead, link_share=self.link_share)
+        meta = {k: v for k, v in self.meta.items() if k != "priced_link_seconds"}
+        return {**data, **meta}
 
     def save(self, path) -> Path:
         """Write the profile to ``path`` (parent folders created; written to a temporary file, then renamed)."""
@@ -250,11 +329,12 @@ class CostModel:
 
     @classmethod
     def load(cls, path, expect: dict | None = None) -> "CostModel":
-        """Read a profile; ``expect`` names meta fields that must match, e.g. ``{"slots": 48, "cache_mode": "cached"}``.
+        """Read a profile; ``expect`` names meta fields that must match, e.g. ``{"model_id": "Qwen/Qwen3-30B-A3B"}``.
 
-        A version-1 profile (before monotone intercepts, per-level drafting and recorded quality) still loads: it
-        models no drafting per level, and its ``meta["quality"]`` says ``"unassessed"`` with the reasons
-        (``specfit.enable`` warns about it).
+        A version-3 profile prices copies (``copy_overhead_s``, ``link_share``); load it, then ``priced(...)`` it
+        for the link at hand. Profiles of versions 1 and 2 still load as demand-only models fitted for one slot
+        count and link (``meta["slots"]``, ``meta["link"]``); a version-1 profile models no drafting per level, and
+        its ``meta["quality"]`` says ``"unassessed"`` with the reasons (``specfit.enable`` warns about it).
 
         Raises:
             ProfileError: naming the file and the field, for unreadable JSON, a missing or malformed field, or a
@@ -270,10 +350,11 @@ class CostModel:
         if not isinstance(data, dict):
             raise ProfileError(f"{path}: a profile is a JSON object, got {type(data).__name__}")
         version = data.get("version")
-        if version not in (1, VERSION) or type(version) is not int:
-            raise ProfileError(f"{path}: field 'version' is {version!r}, expected 1 or {VERSION} (a newer profile "
-                               f"needs a newer specfit)" if "version" in data else f"{path}: missing field 'version'")
-        required = _RESERVED if version == VERSION else _RESERVED[:-1]
+        if version not in (1, 2, VERSION) or type(version) is not int:
+            raise ProfileError(f"{path}: field 'version' is {version!r}, expected 1, 2 or {VERSION} (a newer "
+                               f"profile needs a newer specfit)" if "version" in data else
+                               f"{path}: missing field 'version'")
+        required = _RESERVED[:5] if version == 1 else _RESERVED[:6]  # a demand-only model has no copy fields
         for key in required:
             if key not in data:
                 raise ProfileError(f"{path}: missing field {key!r}")
@@ -290,7 +371,8 @@ class CostModel:
         if version == 1:
             meta["quality"] = _unassessed(data["intercepts"])
         try:
-            model = cls(tuple(data["intercepts"]), data["beta"], meta, tuple(data.get("draft_level_seconds", ())))
+            model = cls(tuple(data["intercepts"]), data["beta"], meta, tuple(data.get("draft_level_seconds", ())),
+                        copy_overhead=data.get("copy_overhead_s"), link_share=data.get("link_share"))
         except ValueError as e:
             raise ProfileError(f"{path}: {e}") from None
         quality = meta.get("quality")
@@ -305,16 +387,47 @@ class CostModel:
         return model
 
 
-def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: float = 0.0):
-    """The monotone NNLS fit behind ``CostModel.fit`` on ``[records, 3]`` rows of (n_nodes, demand, seconds):
-    returns (intercepts for n = 0..max_nodes, beta, observed node counts). Pure numpy + scipy, fast enough to refit
-    hundreds of times (bootstrap, cross-validation)."""
+def as_rows(records) -> np.ndarray:
+    """Records as float ``[R, 5]`` rows of (n_nodes, demand, seconds, misses, link_seconds); 3-field records get no
+    misses and no link."""
+    rows = [tuple(r) for r in records]
+    out = np.zeros((len(rows), 5))
+    for i, r in enumerate(rows):
+        if len(r) not in (3, 5):
+            raise ValueError(f"record {i} has {len(r)} fields; give (n_nodes, demand, seconds) or (n_nodes, demand, "
+                             f"seconds, misses, link_seconds)")
+        out[i, : len(r)] = r
+    return out
+
+
+def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: float = 0.0,
+                     kind: str = "paper") -> Coefficients:
+    """The monotone NNLS fit behind ``CostModel.fit`` on ``[R, 5]`` rows (``as_rows``). Pure numpy + scipy, fast
+    enough to refit hundreds of times (bootstrap, cross-validation).
+
+    The unknowns are ``intercepts[n0] - floor`` (``n0`` the smallest observed count, ``floor`` the drafting sum),
+    the increments between consecutive observed counts, ``beta`` and, for ``kind="cache-aware"``, the copy
+    coefficient's two parts, all >= 0 (``scipy.optimize.nnls``): a record at count ``n`` has a 1 for the base, for
+    every increment up to ``n``, then its demand, its misses and its misses x link seconds. Fitting increments
+    instead of one free intercept per count keeps NNLS from trading intercepts against beta when demand grows with
+    the count. When the records' copies ran over one link only (a GPU, or a CPU run with one emulated link),
+    ``link_share`` cannot be told from ``copy_overhead``: it is held at 1 (a copy waits for all of the link's time)
+    and the link's time is taken off the seconds before the fit. A count with no record has no data for its
+    intercept: it is filled by linear interpolation between the nearest observed counts, or beyond the observed
+    range by extending the line through the two nearest observed counts (clamped at ``floor``; flat if only one
+    count was observed).
+    """
     from scipy.optimize import nnls
 
-    rows = np.asarray(rows, dtype=float).reshape(-1, 3)
-    n_nodes, demand, seconds = rows.T
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    rows = np.asarray(rows, dtype=float)
+    if rows.ndim != 2 or rows.shape[1] != 5:
+        rows = as_rows(rows)
+    n_nodes, demand, seconds, misses, link = rows.T
     if not np.all(np.isfinite(rows)) or np.any(rows < 0) or np.any(n_nodes != np.round(n_nodes)):
-        raise ValueError("records must be (n_nodes >= 0 integer, demand >= 0, seconds >= 0), all finite")
+        raise ValueError("records must be (n_nodes >= 0 integer, demand >= 0, seconds >= 0, misses >= 0, "
+                         "link_seconds >= 0), all finite")
     observed = sorted({int(n) for n in n_nodes})
     if len(rows) < len(observed) + 2:
         raise ValueError(
@@ -326,19 +439,34 @@ def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: floa
     top = observed[-1] if max_nodes is None else int(max_nodes)
     if top < observed[-1]:
         raise ValueError(f"max_nodes={top} is below the largest node count in the records ({observed[-1]})")
+    aware = kind == "cache-aware"
+    if aware and np.ptp(misses) == 0:
+        raise ValueError("misses never vary in the records (every expert resident, or every one copied), so the "
+                         "copy coefficient cannot be told from beta; probe with fewer slots or colder caches")
+    links = np.unique(link[misses > 0]) if aware else np.zeros(0)
+    share = len(links) >= 2  # the link's share is fitted only where the records ran over two links or more
 
-    # columns: base, increment to observed[1], .., increment to observed[-1], demand; a record at observed[i] has
-    # ones in the base and the first i increments
+    # columns: base, increment to observed[1], .., increment to observed[-1], demand[, misses[, misses x link]]
     rank = np.searchsorted(observed, n_nodes)
-    features = np.zeros((len(rows), len(observed) + 1))
-    features[:, : len(observed)] = np.arange(len(observed))[None, :] <= rank[:, None]
-    features[:, -1] = demand
+    columns = [np.arange(len(observed))[None, :] <= rank[:, None], demand[:, None]]
+    target = seconds - floor
+    if aware:
+        columns.append(misses[:, None])
+        if share:
+            columns.append((misses * link)[:, None])
+        else:
+            target = target - misses * link
+    features = np.hstack(columns).astype(float)
     scale = np.linalg.norm(features, axis=0)  # demand is ~1e3 times the indicator columns; equalise for NNLS
     scale[scale == 0] = 1.0
-    coef, _ = nnls(features / scale, seconds - floor)
+    coef, _ = nnls(features / scale, target)
     coef = coef / scale
-    values = floor + np.cumsum(coef[:-1])
-    return _fill(observed, values.tolist(), top, floor), float(coef[-1]), observed
+    k = len(observed)
+    values = floor + np.cumsum(coef[:k])
+    overhead = float(coef[k + 1]) if aware else 0.0
+    link_share = float(coef[k + 2]) if share else 1.0
+    return Coefficients(_fill(observed, values.tolist(), top, floor), float(coef[k]), overhead,
+                        link_share if aware else 0.0, observed)
 
 
 def _unassessed(intercepts) -> dict:
@@ -370,18 +498,16 @@ def profile_dir() -> Path:
     return cache_root() / "profiles"
 
 
-def profile_path(device_name: str, model_id: str, slots: int, cache_mode: str) -> Path:
-    """The profile file for one device + model + slot count + cache mode.
+def profile_path(device_name: str, model_key: str) -> Path:
+    """The profile file for one device and model (``profiles.model_key``: its name and shape). Slot count, cache
+    mode and link are not in the name: one profile prices them all.
 
-    >>> profile_path("NVIDIA A100-PCIE-40GB", "Qwen/Qwen3-30B-A3B", 48, "cached").name
-    'NVIDIA-A100-PCIE-40GB__Qwen--Qwen3-30B-A3B__slots48__cached.json'
+    >>> profile_path("NVIDIA A100-PCIE-40GB", "Qwen/Qwen3-30B-A3B [48x128e top8 h2048 bfloat16]").name
+    'NVIDIA-A100-PCIE-40GB__Qwen--Qwen3-30B-A3B-48x128e-top8-h2048-bfloat16.json'
     """
-    if cache_mode not in CACHE_MODES:
-        raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
-        raise ValueError(f"slots must be an int >= 0, got {slots!r}")
-    name = f"{_safe(device_name)}__{_safe(model_id.replace('/', '--'))}__slots{slots}__{cache_mode}.json"
-    return profile_dir() / name
+    if not isinstance(model_key, str) or not model_key:
+        raise ValueError(f"model_key must be a non-empty string, got {model_key!r}")
+    return profile_dir() / f"{_safe(device_name)}__{_safe(model_key.replace('/', '--'))}.json"
 
 
 def _safe(text: str) -> str:

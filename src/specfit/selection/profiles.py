@@ -1,5 +1,10 @@
-"""Which cost profile a model uses: the one given to ``enable``, this machine's calibrated profile in the user cache,
-or a reference profile shipped in ``calibration/``; and the names (device, model) a profile is filed under."""
+"""Which cost profile a model uses, and at what price per copy: the one given to ``enable``, this machine's calibrated
+profile in the user cache, or a reference profile shipped in ``calibration/``; the names (device, model) a profile
+is filed under; and the link's own time per expert copy that prices its copies (``link_seconds``).
+
+One profile per machine and model: it carries over to any slot count, cache mode and link, because those change
+only how often an expert misses (the selector reads that from the live slot cache) and what the link takes per copy
+(read from the link at hand), not what computing or copying an expert costs."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 import platform
 import warnings
 from importlib.resources import as_file, files
+from pathlib import Path
 
 import torch
 
@@ -15,14 +21,11 @@ from .fit_quality import REMEDY
 
 
 def device_name(runtime) -> str:
-    """Names the machine a cost profile belongs to; an emulated link is part of the name (it sets beta)."""
+    """Names the machine a cost profile belongs to: the GPU's name, or the CPU's model (a link is not part of it:
+    one profile prices every link)."""
     if runtime.device.type == "cuda":
-        name = torch.cuda.get_device_name(runtime.device)
-    else:
-        name = f"cpu-{_cpu_model()}"
-    if runtime.config.link is not None:
-        name += f" ({runtime.config.link.label})"
-    return name
+        return torch.cuda.get_device_name(runtime.device)
+    return f"cpu-{_cpu_model()}"
 
 
 def _cpu_model() -> str:
@@ -36,150 +39,217 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def resolve_cost_model(model):
-    """The cost model for the selector: the one given to ``enable``, else a calibrated profile (see
-    ``find_profile``), else the documented default, with a loud warning."""
+def model_id(model) -> str:
+    """The model's name: its hub id, a local folder's name, or (built in code) its class name."""
+    name = str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
+    if not name:
+        return type(model).__name__
+    path = Path(name)
+    return path.name if path.is_absolute() or path.exists() else name
+
+
+def model_key(model) -> str:
+    """What a profile is filed under: the model's name and the shape that sets its costs (MoE layers, experts, top-k,
+    hidden size, the experts' stored dtype), so two sizes of one class never share a profile.
+
+    e.g. ``'Qwen/Qwen3-30B-A3B [48x128e top8 h2048 bfloat16]'``"""
     runtime = model.specfit
+    store = runtime.store
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_k", "top_k", "num_experts_per_token")
+                  if isinstance(getattr(text, k, None), int)), "?")
+    dtype = str(getattr(store, "stored_dtype", store.dtype)).replace("torch.", "")
+    return f"{model_id(model)} [{len(store.arenas)}x{store.num_experts}e top{top_k} h{store.hidden} {dtype}]"
+
+
+def profile_key(model) -> dict:
+    """``profile_path(**profile_key(model))`` is where this machine's profile for the model lives."""
+    return dict(device_name=device_name(model.specfit), model_key=model_key(model))
+
+
+def link_seconds(runtime) -> float:
+    """The link's own time for one expert copy (the stored bytes of one expert): an emulated link's set time for
+    those bytes; on CUDA, the bytes over the pinned host-to-device bandwidth (measured once, in ``runtime``); 0 for
+    a memcpy on a CPU with no emulated link (its cost is the profile's ``copy_overhead``)."""
+    if runtime.config.link is not None:
+        return float(runtime.config.link.copy_time(runtime.store.expert_bytes))
+    if runtime.device.type == "cuda":
+        from ..offload.bandwidth import copy_seconds
+
+        return copy_seconds(runtime)
+    return 0.0
+
+
+def calibrate_command(model) -> str:
+    """The call that fits this machine's profile for ``model``, as it works for it: the command line for the embedded
+    model or a checkpoint folder / hub id, the Python call for a model built in code."""
+    from ..embedded import MODEL_ID
+
+    name = model_id(model)
+    source = str(getattr(model.config, "_name_or_path", "") or "")
+    if name == MODEL_ID:
+        return "`specfit calibrate`" + (" --fp8" if "fp8" in model_key(model).lower() else "")
+    if source and (Path(source).is_dir() or ("/" in source and not Path(source).is_absolute())):
+        return f"`specfit calibrate --model {source}`"
+    return "`specfit.calibrate(model, prompts)` (Python: this model was built in code, so the command line cannot " \
+           "load it)"
+
+
+def resolve_cost_model(model) -> CostModel:
+    """The cost model SpecFit's selector uses, priced for this model's link: the one given to ``enable``, else a
+    calibrated profile (``find_profile``), else the documented default, with a loud warning. ``cost="paper"`` takes
+    the profile's demand-only fit."""
+    runtime = model.specfit
+    options = runtime.options
     found = find_profile(model)
     if found is not None:
         runtime.cost_model = found
-        return found
+        return price(model, found, options.cost if options is not None else "cache-aware")
     key = profile_key(model)  # not stored: a profile calibrated later in this process is found next time
     warnings.warn(
-        f"no calibrated cost profile for device {key['device_name']!r}, model {key['model_id']!r}, "
-        f"{key['slots']} slots, cache mode {key['cache_mode']!r} (looked for {profile_path(**key)}): SpecFit uses "
-        f"the default cost model (the paper's A100 beta), which can pick poor subtrees here. Run `specfit calibrate`.",
+        f"no calibrated cost profile for device {key['device_name']!r}, model {key['model_key']!r} (looked for "
+        f"{profile_path(**key)}): SpecFit uses the default cost model (the paper's A100 beta, copies not told "
+        f"apart), which can pick poor subtrees here. Run {calibrate_command(model)} once on this machine.",
         RuntimeWarning, stacklevel=3)
-    return CostModel.default(runtime.options.max_nodes)
+    return CostModel.default(options.max_nodes if options is not None else 7)
+
+
+def price(model, cost: CostModel, kind: str) -> CostModel:
+    """``cost`` as the selector takes it for ``kind`` ("cache-aware" or "paper") on this model's link."""
+    if kind == "paper":
+        paper = cost.paper()
+        _warn_if_other_setup(model, paper)
+        return paper
+    if not cost.prices_copies:
+        warnings.warn(f"{_describe(cost)} prices demand only (a profile from before version 3, or a hand-made "
+                      f"model), so cost='cache-aware' cannot tell resident experts from copies: SpecFit prices "
+                      f"demand as the paper does. Run {calibrate_command(model)} to fit copies too.",
+                      RuntimeWarning, stacklevel=4)
+        _warn_if_other_setup(model, cost)
+        return cost
+    return cost.priced(link_seconds(model.specfit))
+
+
+def _warn_if_other_setup(model, cost: CostModel) -> None:
+    """A demand-only model is valid only at the slot count and link it was fitted at: warn elsewhere."""
+    runtime, meta = model.specfit, cost.meta
+    here = {"slots": runtime.config.cache_slots, "link": runtime.link_label}
+    other = {k: meta[k] for k in here if k in meta and meta[k] != here[k]}
+    if other:
+        shown = ", ".join(f"{k} {v!r} (here {here[k]!r})" for k, v in other.items())
+        warnings.warn(f"the demand-only cost model (cost='paper') was fitted at {shown}; its beta hides that setup's "
+                      f"hit rate, so it misprices this one. Use cost='cache-aware' (the default), which carries "
+                      f"over, or refit the paper's model here with {calibrate_command(model)} run with these slots "
+                      f"and link.", RuntimeWarning, stacklevel=5)
 
 
 def checked_cost_model(model, cost) -> CostModel:
     """An explicit cost model (a ``CostModel`` or a profile path) checked against this model's setup: the profile
-    must read cleanly, record this slot count and cache mode (when it records them) and predict up to ``max_nodes``.
-    Called by ``enable``/``configure``, so a bad profile fails there, not at the first ``generate``."""
+    must read cleanly and predict up to ``max_nodes``; a demand-only profile (version 1 or 2) records the slot count
+    and cache mode it was fitted for, and must match them. Called by ``enable``/``configure``, so a bad profile
+    fails there, not at the first ``generate``."""
     runtime = model.specfit
     loaded = cost if isinstance(cost, CostModel) else CostModel.load(cost)
     where = cost if not isinstance(cost, CostModel) else "the CostModel given"
-    for field, want in (("slots", runtime.config.cache_slots), ("cache_mode", runtime.config.cache_mode)):
-        if field in loaded.meta and loaded.meta[field] != want:
-            raise ProfileError(f"{where}: field {field!r} is {loaded.meta[field]!r}, expected {want!r} (this model "
-                               f"was enabled with {field}={want!r}); use a profile calibrated for it")
+    if not loaded.prices_copies:
+        for field, want in (("slots", runtime.config.cache_slots), ("cache_mode", runtime.config.cache_mode)):
+            if field in loaded.meta and loaded.meta[field] != want:
+                raise ProfileError(f"{where}: field {field!r} is {loaded.meta[field]!r}, expected {want!r} (this "
+                                   f"demand-only profile was fitted for {field}={loaded.meta[field]!r}; this model "
+                                   f"was enabled with {want!r}); run {calibrate_command(model)} for a profile that "
+                                   f"prices any slot count")
     max_nodes = runtime.options.max_nodes if runtime.options is not None else 0
     if loaded.max_nodes < max_nodes:
         raise ProfileError(f"{where}: predicts up to {loaded.max_nodes} nodes but max_nodes is {max_nodes}; "
-                           f"recalibrate or lower max_nodes")
+                           f"recalibrate ({calibrate_command(model)}) or lower max_nodes")
     return loaded
 
 
 def check_profile_options(model, options) -> None:
     """Options that need a field of the cost profile SpecFit's selector will use, checked at ``enable``/``configure``
-    against the profile found now (``find_profile``): ``cost="cache-aware"`` needs the profile's fit on expert
-    misses, ``max_nodes`` its intercepts up to that many nodes. Without any profile the default cost model serves
-    ``cost="paper"`` (with a warning at generate), never ``"cache-aware"``."""
-    aware = options.cost == "cache-aware"
+    against the profile found now (``find_profile``): ``max_nodes`` needs its intercepts up to that many nodes, and
+    ``cost="paper"`` its demand-only fit."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the same warnings come when generate() uses the profile
             cost = find_profile(model)
     except ProfileError:
-        if aware:
-            raise
         return  # reported by generate(assistant="specfit"), the only use of a profile
     if cost is None:
-        if aware:
-            key = profile_key(model)
-            raise ValueError(f"cost='cache-aware' needs a cost profile fitted on expert misses, and there is none for "
-                             f"device {key['device_name']!r}, model {key['model_id']!r}, {key['slots']} slots, cache "
-                             f"mode {key['cache_mode']!r}: run `specfit calibrate --slots {key['slots']}` (it fits "
-                             f"misses too), pass cost_model=PROFILE, or keep cost='paper'")
         return
     where = _describe(cost)
-    if aware:
+    if options.cost == "paper":
         try:
-            cost = cost.cache_aware()
+            cost = cost.paper()
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
     if cost.max_nodes < options.max_nodes:
         raise ProfileError(f"{where} predicts up to {cost.max_nodes} nodes but max_nodes is {options.max_nodes}; "
-                           f"recalibrate or lower max_nodes")
+                           f"recalibrate ({calibrate_command(model)}) or lower max_nodes")
 
 
 def _describe(cost: CostModel) -> str:
     m = cost.meta
-    if "slots" not in m:
+    if "model_id" not in m:
         return "the cost model given"
-    return (f"the cost profile for {m.get('model_id')!r}, {m.get('slots')} slots, {m.get('cache_mode')}, "
-            f"{m.get('link')} (measured on {m.get('device')!r})")
-
-
-def profile_key(model) -> dict:
-    runtime = model.specfit
-    return dict(device_name=device_name(runtime), model_id=model_id(model), slots=runtime.config.cache_slots,
-                cache_mode=runtime.config.cache_mode)
+    return f"the cost profile for {m.get('model_key', m.get('model_id'))!r} (measured on {m.get('device')!r})"
 
 
 def find_profile(model):
     """The explicit profile given to ``enable`` (checked against this setup), else this machine's calibrated profile
-    in the user cache, else a reference profile shipped in ``calibration/`` for the same model, slots, cache mode and
-    link (measured on another machine: a warning says so); None when there is none. A profile whose recorded fit
-    quality is poor, or that was never assessed (version 1), is used with a warning (see ``warn_if_unreliable``)."""
+    in the user cache, else a reference profile shipped in ``calibration/`` for the same model (measured on another
+    machine: a warning says so); None when there is none. A profile whose recorded fit quality is poor, or that was
+    never assessed (version 1), is used with a warning (see ``warn_if_unreliable``). Unpriced: see ``price``."""
     runtime = model.specfit
     if runtime.cost_model is not None:
         cost = checked_cost_model(model, runtime.cost_model)
         warn_if_unreliable(cost, str(runtime.cost_model) if not isinstance(runtime.cost_model, CostModel)
-                           else "in use by this model")
+                           else "in use by this model", model)
         return cost
     key = profile_key(model)
     path = profile_path(**key)
     if path.is_file():
-        found = CostModel.load(path, expect={"slots": key["slots"], "cache_mode": key["cache_mode"]})
-        warn_if_unreliable(found, str(path))
+        found = CostModel.load(path)
+        warn_if_unreliable(found, str(path), model)
         return found
-    reference = reference_profile(key, runtime.link_label)
+    reference = reference_profile(key)
     if reference is not None and reference.meta.get("device") != key["device_name"]:
         warnings.warn(f"using the reference cost profile measured on {reference.meta.get('device')!r} for this "
-                      f"{key['device_name']!r}; run `specfit calibrate` to fit this machine", RuntimeWarning,
-                      stacklevel=4)
+                      f"{key['device_name']!r}; run {calibrate_command(model)} to fit this machine",
+                      RuntimeWarning, stacklevel=4)
     if reference is not None:
-        warn_if_unreliable(reference, f"shipped with specfit for {key['model_id']}, {key['slots']} slots, "
-                                      f"{key['cache_mode']}, {runtime.link_label}")
+        warn_if_unreliable(reference, f"shipped with specfit for {key['model_key']}", model)
     return reference
 
 
-def warn_if_unreliable(cost: CostModel, where: str) -> None:
+def warn_if_unreliable(cost: CostModel, where: str, model=None) -> None:
     """Warn (RuntimeWarning) when a cost model's recorded calibration verdict is not "good": "poor" (installed with
     ``--force``) or "unassessed" (a version-1 profile). A model with no recorded quality (made by hand) is trusted."""
     quality = cost.quality
     if not quality or quality.get("verdict") == "good":
         return
     reasons = "; ".join(quality.get("reasons", [])) or "no reasons recorded"
+    command = calibrate_command(model) if model is not None else "`specfit calibrate`"
     if quality.get("verdict") == "poor":
         text = (f"the cost profile {where} failed calibration's quality gate ({reasons}), so SpecFit may verify "
-                f"poor subtrees. Recalibrate: {REMEDY}.")
+                f"poor subtrees. Recalibrate with {command}: {REMEDY}.")
     else:
         text = (f"the cost profile {where} was never checked for fit quality ({reasons}). Recalibrate with "
-                f"`specfit calibrate` to fit and check it.")
+                f"{command} to fit and check it.")
     warnings.warn(text, RuntimeWarning, stacklevel=4)
 
 
-def model_id(model) -> str:
-    return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or
-               type(model).__name__)
-
-
-def reference_profile(key: dict, link_label: str):
-    """A profile shipped in ``calibration/`` (package ``specfit.calibration``) for the same model, slots, cache mode
-    and link, preferring one measured on this very device."""
+def reference_profile(key: dict):
+    """A profile shipped in ``calibration/`` (package ``specfit.calibration``) for the same model (name and shape),
+    preferring one measured on this very device."""
     matches = []
     for entry in files("specfit.calibration").iterdir():
         if not entry.name.endswith(".json"):
             continue
         data = json.loads(entry.read_text())
-        if data.get("format") != FORMAT:
+        if data.get("format") != FORMAT or data.get("model_key") != key["model_key"]:
             continue
-        if (data.get("model_id"), data.get("slots"), data.get("cache_mode"), data.get("link")) == \
-                (key["model_id"], key["slots"], key["cache_mode"], link_label):
-            matches.append((data.get("device") != key["device_name"], entry.name, entry))
+        matches.append((data.get("device") != key["device_name"], entry.name, entry))
     if not matches:
         return None
     with as_file(min(matches)[2]) as path:

@@ -10,9 +10,11 @@ Vocabulary (the paper's):
 - *routes*: the experts each token routes to, a bool array ``[num_nodes, num_layers, num_experts]``.
 - *expert demand* of a subtree ``S``: ``sum over layers of |experts of the root and of S in that layer|``. A node pays
   only for experts that no other verified token already asks for.
-- *ratio*: ``(1 + sum_{v in S} path_values[v]) / (intercepts[|S|] + beta * demand(S))``, expected committed tokens
-  (the root's bonus token included) over the predicted cycle time. The selector returns the subtree with the largest
-  ratio.
+- *misses* of ``S``: the experts of its demand that are not resident in the slot cache (``resident``, the live mask):
+  what its verify forward copies.
+- *ratio*: ``(1 + sum_{v in S} path_values[v]) / (intercepts[|S|] + beta * demand(S) + copy * misses(S))``, expected
+  committed tokens (the root's bonus token included) over the predicted cycle time. The selector returns the
+  subtree with the largest ratio. (The paper's model is ``copy = 0``.)
 
 No torch here: the rule takes plain sequences and NumPy arrays, so it is testable in milliseconds.
 """
@@ -39,10 +41,12 @@ class Selection:
     Attributes:
         nodes: pool indices of the verified draft nodes, sorted; ``()`` verifies the root alone.
         expected_tokens: ``1 + sum of their path values`` (the root's token included).
-        predicted_time: ``intercepts[len(nodes)] + beta * demand``, in the cost model's unit (seconds).
+        predicted_time: ``intercepts[len(nodes)] + beta * demand + copy * misses``, in the cost model's unit
+            (seconds).
         ratio: ``expected_tokens / predicted_time``.
         demand: expert demand, ``sum over layers of |union of the experts of the root and the nodes|``.
         subtrees: how many ancestor-closed subtrees were scored (the empty one included); a work counter.
+        misses: the experts of the demand not resident (what the verify forward would copy).
     """
 
     nodes: tuple[int, ...]
@@ -51,9 +55,10 @@ class Selection:
     ratio: float
     demand: int
     subtrees: int = 0
+    misses: int = 0
 
 
-def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: int = 7) -> Selection:
+def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: int = 7, resident=None) -> Selection:
     """Return the ancestor-closed subtree of at most ``max_nodes`` pool nodes with the largest ratio.
 
     Args:
@@ -61,9 +66,11 @@ def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: i
         path_values: ``[N]`` finite, non-negative floats (path values, or path probabilities for the paper's reward).
         routes: ``[N, num_layers, num_experts]`` bool (any 0/1 array-like; non-zero counts as routed).
         root_routes: ``[num_layers, num_experts]`` bool, the root token's experts (always paid).
-        cost: a ``CostModel`` (anything with ``intercepts`` and ``beta``); ``intercepts[n]`` is the fixed time of a
-            cycle that verifies ``n`` draft nodes, so it needs ``max_nodes + 1`` entries.
+        cost: a ``CostModel`` (anything with ``intercepts``, ``beta`` and optionally ``copy``); ``intercepts[n]``
+            is the fixed time of a cycle that verifies ``n`` draft nodes, so it needs ``max_nodes + 1`` entries.
         max_nodes: the verification budget (draft nodes, the root not counted).
+        resident: ``[num_layers, num_experts]`` bool, the experts in a device slot now (None: none is); each expert
+            of the demand outside it also costs ``cost.copy``.
 
     Returns:
         A ``Selection``. Ties: the larger ratio wins, where ratios within a relative ``REL_TIE`` (1e-12) of the best
@@ -88,11 +95,13 @@ def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: i
     ((0, 2), 2, 1.0)
     """
     parents, probs = _check_tree(parents, path_values)
-    intercepts, beta = _check_cost(cost, max_nodes)
+    intercepts, beta, copy = _check_cost(cost, max_nodes)
     flat, full_bits, root_bits = _pack_routes(routes, root_routes, len(parents))
-    shared_bits, own, root_demand = _split_demand(parents, flat, full_bits, root_bits)
-    if min(intercepts) + beta * root_demand <= 0:
-        raise ValueError("cost model predicts a zero cycle time (an intercept is 0 and beta * root demand is 0)")
+    missing = _missing_bits(resident, np.shape(root_routes)) if copy else 0
+    shared_bits, own, root_demand, shared_missing, own_missing, root_missing = \
+        _split_demand(parents, flat, full_bits, root_bits, missing)
+    if min(intercepts) + beta * root_demand + copy * root_missing <= 0:
+        raise ValueError("cost model predicts a zero cycle time (an intercept is 0 and the root's experts cost 0)")
     n = len(parents)
     budget = min(max_nodes, n)
 
@@ -101,8 +110,9 @@ def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: i
         (roots if p < 0 else children[p]).append(v)
     children = [tuple(c) for c in children]
     onehot = [1 << v for v in range(n)]
-    own_time = [beta * k for k in own]
-    fixed_time = [a + beta * root_demand for a in intercepts]  # the root's experts are paid at every size
+    own_time = [beta * k + copy * m for k, m in zip(own, own_missing)]
+    # the root's experts are paid at every size
+    fixed_time = [a + beta * root_demand + copy * root_missing for a in intercepts]
 
     best = 1.0 / fixed_time[0]
     floor = best * (1.0 - REL_TIE)
@@ -122,7 +132,9 @@ def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: i
             base = fixed + paid
             if size == budget:  # the last size: score, grow nothing
                 for v in cands:
-                    r = (mass + probs[v]) / (base + own_time[v] + beta * (union | shared_bits[v]).bit_count())
+                    u = union | shared_bits[v]
+                    r = (mass + probs[v]) / (base + own_time[v] + beta * u.bit_count()
+                                             + copy * (u & shared_missing).bit_count())
                     if r >= floor:
                         if r > best:
                             best, floor = r, r * (1.0 - REL_TIE)
@@ -134,7 +146,7 @@ def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: i
                 u = union | shared_bits[v]
                 m = mass + probs[v]
                 mk = mask | onehot[v]
-                r = m / (base + own_time[v] + beta * u.bit_count())
+                r = m / (base + own_time[v] + beta * u.bit_count() + copy * (u & shared_missing).bit_count())
                 if r >= floor:
                     if r > best:
                         best, floor = r, r * (1.0 - REL_TIE)
@@ -145,7 +157,7 @@ def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: i
         level = grown
 
     _, nodes = min((s, _members(mk, n)) for r, s, mk in near if r >= floor)
-    return _selection(nodes, probs, full_bits, root_bits, intercepts, beta, subtrees)
+    return _selection(nodes, probs, full_bits, root_bits, intercepts, beta, copy, missing, subtrees)
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:
@@ -175,15 +187,15 @@ def _members(mask: int, n: int) -> tuple[int, ...]:
     return tuple(v for v in range(n) if mask >> v & 1)
 
 
-def _selection(nodes, probs, node_bits, root_bits, intercepts, beta, subtrees) -> Selection:
+def _selection(nodes, probs, node_bits, root_bits, intercepts, beta, copy, missing, subtrees) -> Selection:
     # Recompute the winner's figures in sorted order, so they do not depend on the walk's summation order.
     union = root_bits
     for v in nodes:
         union |= node_bits[v]
     expected = 1.0 + math.fsum(probs[v] for v in nodes)
-    demand = union.bit_count()
-    time = intercepts[len(nodes)] + beta * demand
-    return Selection(nodes, expected, time, expected / time, demand, subtrees)
+    demand, misses = union.bit_count(), (union & missing).bit_count()
+    time = intercepts[len(nodes)] + beta * demand + copy * misses
+    return Selection(nodes, expected, time, expected / time, demand, subtrees, misses)
 
 
 def _check_tree(parents, path_values) -> tuple[list[int], list[float]]:
@@ -209,7 +221,10 @@ def _check_cost(cost, max_nodes) -> tuple[list[float], float]:
             f"cost model has {len(intercepts)} intercepts (n = 0..{len(intercepts) - 1}) but max_nodes={max_nodes} "
             f"needs {max_nodes + 1} (n = 0..{max_nodes})"
         )
-    return intercepts[: max_nodes + 1], float(cost.beta)
+    copy = float(getattr(cost, "copy", 0.0))
+    if not (math.isfinite(copy) and copy >= 0.0):
+        raise ValueError(f"cost model's copy coefficient must be finite and >= 0, got {copy!r}")
+    return intercepts[: max_nodes + 1], float(cost.beta), copy
 
 
 def _pack_routes(routes, root_routes, n: int):
@@ -231,19 +246,21 @@ def _pack_routes(routes, root_routes, n: int):
     return flat, _rows_to_ints(np.packbits(flat, axis=1, bitorder="little")), root_bits
 
 
-def _split_demand(parents, flat, bits, root_bits):
-    """Shrink the bitmaps the walk ORs, without changing any subtree's demand.
+def _split_demand(parents, flat, bits, root_bits, missing: int = 0):
+    """Shrink the bitmaps the walk ORs, without changing any subtree's demand or misses.
 
     Verified sets are ancestor-closed, so an expert that the root or an ancestor of ``v`` asks for is already paid
     when ``v`` joins: only ``v``'s *new* experts matter. A new expert of ``v`` that no other node newly asks for costs
-    exactly 1 when ``v`` is in the set: it becomes a count, ``own[v]``. Only experts that two or more nodes newly ask
-    for (siblings and cousins sharing) stay as bits, gathered into short ints (a few hundred bits instead of
-    layers * experts). Those ints keep all of ``v``'s routes in the shared columns, not only its new ones: the extra
-    bits belong to an ancestor, which is in any set ``v`` is in, so no union changes. For an ancestor-closed ``S``:
-    ``demand(S) = root_demand + sum(own[v] for v in S) + popcount(OR of shared_bits[v] for v in S)``.
+    exactly 1 when ``v`` is in the set: it becomes a count, ``own[v]`` (``own_missing[v]`` of them not resident).
+    Only experts that two or more nodes newly ask for (siblings and cousins sharing) stay as bits, gathered into
+    short ints (a few hundred bits instead of layers * experts). Those ints keep all of ``v``'s routes in the shared
+    columns, not only its new ones: the extra bits belong to an ancestor, which is in any set ``v`` is in, so no
+    union changes. For an ancestor-closed ``S``: ``demand(S) = root_demand + sum(own[v] for v in S) +
+    popcount(OR of shared_bits[v] for v in S)``, and ``misses(S)`` the same with the ``missing`` parts
+    (``shared_missing`` masks the shared columns that are not resident).
 
     Returns:
-        (shared_bits per node, own per node, root_demand)
+        (shared_bits per node, own per node, root_demand, shared_missing, own_missing per node, root_missing)
     """
     n = len(parents)
     closed, new = [0] * n, [0] * n  # closed[v]: experts of the root, v's ancestors and v
@@ -255,12 +272,29 @@ def _split_demand(parents, flat, bits, root_bits):
         shared |= seen & x
         seen |= x
     own = [x.bit_count() - (x & shared).bit_count() for x in new]
+    own_missing = [(x & missing).bit_count() - (x & shared & missing).bit_count() for x in new]
     width = flat.shape[1]
-    columns = np.unpackbits(
-        np.frombuffer(shared.to_bytes(-(-width // 8), "little"), np.uint8), count=width, bitorder="little"
-    ).view(bool)  # [layers * experts], True where two or more nodes newly ask for the expert
+    columns = _unpack(shared, width)  # [layers * experts], True where two or more nodes newly ask for the expert
     shared_bits = _rows_to_ints(np.packbits(flat.compress(columns, axis=1), axis=1, bitorder="little"))
-    return shared_bits, own, root_bits.bit_count()
+    shared_missing = _to_int(np.packbits(_unpack(missing, width)[columns], bitorder="little")) if missing else 0
+    return shared_bits, own, root_bits.bit_count(), shared_missing, own_missing, (root_bits & missing).bit_count()
+
+
+def _unpack(bits: int, width: int) -> np.ndarray:
+    """bool ``[width]`` of an int's low ``width`` bits (bit i at index i)."""
+    return np.unpackbits(np.frombuffer(bits.to_bytes(-(-width // 8), "little"), np.uint8), count=width,
+                         bitorder="little").view(bool)
+
+
+def _missing_bits(resident, shape) -> int:
+    """The experts *not* in a slot, packed as the routes are (bit ``layer * num_experts + expert``)."""
+    if resident is None:
+        return (1 << int(np.prod(shape))) - 1
+    resident = np.asarray(resident, dtype=bool)
+    if resident.shape != tuple(shape):
+        raise ValueError(f"resident has shape {resident.shape}, expected {tuple(shape)} ([num_layers, num_experts] "
+                         f"like root_routes)")
+    return _to_int(np.packbits(~resident, axis=None, bitorder="little"))
 
 
 def _rows_to_ints(packed) -> list[int]:

@@ -1,0 +1,34 @@
+"""The real link's own time per expert copy on CUDA: the stored bytes of one expert copied from the pinned host arena
+to the device, timed with CUDA events. It prices the cost model's copies (``selection.profiles.link_seconds``):
+measured once per runtime, in well under a second, so a profile fitted on this GPU carries over to any slot count
+and to experts of another size (an FP8 checkpoint copies half the bytes)."""
+
+from __future__ import annotations
+
+import torch
+
+ROUNDS = 24  # timed copies; the median is kept (the first few warm the copy path up)
+
+
+def copy_seconds(runtime, rounds: int = ROUNDS) -> float:
+    """Seconds for one host-to-device copy of one expert's stored bytes (median of ``rounds``), cached on
+    ``runtime``."""
+    cached = getattr(runtime, "_link_copy_seconds", None)
+    if cached is not None:
+        return cached
+    store = runtime.store
+    source = store.arenas[0][0]  # [expert_numel] one expert as stored, in the pinned arena
+    target = torch.empty_like(source, device=runtime.device)
+    stream = torch.cuda.Stream(runtime.device)
+    times = []
+    with torch.cuda.stream(stream):
+        for _ in range(rounds + 4):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            target.copy_(source, non_blocking=True)
+            end.record(stream)
+            times.append((start, end))
+    stream.synchronize()  # once, at enable / first use: not on a decode path
+    seconds = sorted(s.elapsed_time(e) / 1e3 for s, e in times[4:])
+    runtime._link_copy_seconds = seconds[len(seconds) // 2]
+    return runtime._link_copy_seconds
