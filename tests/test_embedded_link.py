@@ -36,17 +36,27 @@ def test_a_relative_link_is_named_by_its_rule_not_its_milliseconds():
 
 
 @needs_embedded
-def test_the_shipped_reference_profiles_use_the_default_link_and_are_found_on_any_machine(monkeypatch):
-    """A fresh machine measures another ms per copy; the reference profile made under the default link is still the
-    one SpecFit finds for the embedded model (every time of it scales with the machine, its choices do not)."""
+@pytest.mark.parametrize("slots, link", [(6, "default"), (12, "default"), (24, "default"), (64, "default"),
+                                         (12, None), (24, None), (12, 3e-4)])
+def test_one_reference_profile_prices_every_slot_count_and_link(monkeypatch, slots, link):
+    """One calibration per machine and model: the shipped profile is the one SpecFit finds for the embedded model at
+    any slot count, with the structural default link (whatever ms this machine measures), without a link and with a
+    link given in seconds, without a warning on the machine it was measured on; its copies cost the profile's
+    overhead plus its link share of the link's own time for one expert's bytes."""
     from specfit.selection import profiles
 
     monkeypatch.setenv("SPECFIT_CACHE", "/nonexistent-specfit-cache")  # no calibrated profile of this machine
     monkeypatch.setattr(embedded, "_link", {})
     monkeypatch.setattr(embedded, "fastest_forward_seconds", lambda model, ids: 0.123)  # an unusual machine
-    model, _ = embedded.load(12, link=embedded.default_link(), drafter=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "measured on another machine", where it was
+    given = embedded.default_link() if link == "default" else link
+    model, _ = embedded.load(slots, link=given, drafter=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         found = profiles.find_profile(model)
-    assert found is not None and found.meta["link"] == "emulated link, structural default"
-    assert found.meta["slots"] == 12
+        priced = profiles.price(model, found, "cache-aware")
+    other = found.meta["device"] != profiles.device_name(model.specfit)
+    assert [str(w.message) for w in seen if not (other and "measured on" in str(w.message))] == []
+    assert found.prices_copies and found.meta["model_key"] == profiles.model_key(model)
+    copy_seconds = 0.0 if given is None else model.specfit.config.link.copy_time(model.specfit.store.expert_bytes)
+    assert priced.copy == pytest.approx(found.copy_overhead + found.link_share * copy_seconds)
+    assert priced.intercepts == found.intercepts and priced.beta == found.beta

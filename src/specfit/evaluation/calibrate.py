@@ -458,13 +458,13 @@ def main(args) -> int:
     if args.acceptance_only:
         return _acceptance_only(args)
     args.num_prompts = args.num_prompts or PROBES["num_prompts"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+        torch.set_num_threads(1)  # see --threads: the default that keeps the timer quiet on a shared CPU
     t0 = time.perf_counter()
     model, tokenizer = _load(args)
     print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    elif model.specfit.device.type == "cpu":
-        torch.set_num_threads(1)  # see --threads: the default that keeps the timer quiet on a shared CPU
     prompts = _prompt_ids(args, tokenizer, model)
     with tqdm(desc="calibration (planning round, then timed rounds)", unit="generate") as bar:
         def progress(done, total):
