@@ -15,7 +15,7 @@ from specfit.evaluation import calibrate as calibrate_module
 from specfit.evaluation.calibrate import Calibration, calibrate, install, random_subtree, schedule
 from specfit.selection.cost_model import CostModel, ProfileError, Record, profile_path
 from specfit.selection.fit_quality import REMEDY, Pool, assess
-from specfit.selection.profiles import device_name, model_id, model_key, resolve_cost_model
+from specfit.selection.profiles import device_name, model_id, model_key, profile_key, resolve_cost_model
 from specfit.selection.route_sources import Cycle, oracle_routes
 from specfit.drafting.tree import DraftTree
 
@@ -340,3 +340,38 @@ def test_enable_warns_when_it_loads_a_poor_or_unassessed_profile(tmp_path, monke
     model.specfit.cost_model = None  # resolve_cost_model kept the profile it found; look again
     with pytest.warns(RuntimeWarning, match=r"never checked for fit quality \(a version-1 profile.*intercepts fall"):
         assert resolve_cost_model(model).intercepts == (0.006, 0.003)
+
+
+def test_calibrate_times_each_drafted_level_on_its_own_not_cumulatively(monkeypatch):
+    """A drafter whose levels take a known 4, 8 and 12 ms (on a fake clock): the replay probe records those, not
+    running sums (4, 12, 24)."""
+    import types
+
+    from specfit.evaluation.calibrate import ReplayProbe
+
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=4, drafter=SelfDrafter(model, first_token=1))
+    probe = ReplayProbe(model, plan=[], rng=random.Random(0))
+    probe.oracle = True  # no routes to read: only the drafter's own time is in each level
+    now = [100.0]
+    monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Levels:
+        def levels(self):
+            for ms in (4, 8, 12):
+                now[0] += ms / 1e3
+                yield DraftTree()
+
+    probe.drafter = Levels()
+    probe.draft(Cycle(model, cache=None, base=0, root=1))
+    assert probe.level_seconds == [pytest.approx([4e-3, 8e-3, 12e-3])]
+
+
+def test_no_reference_profile_is_found_for_a_model_of_another_shape():
+    from specfit.selection.profiles import reference_profile
+
+    assert reference_profile({"model_key": "specfit/embedded-qwen3-moe [6x64e top4 h80 float32]",
+                              "device_name": "cpu-x"}) is None  # the old 6-layer model's shape: not the shipped one
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=4)
+    assert reference_profile(profile_key(model)) is None
