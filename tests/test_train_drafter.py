@@ -11,7 +11,8 @@ from specfit.evaluation.datasets import CNN_PROMPT, GSM8K_PROMPT
 from specfit.drafting.formats import load_drafter, save_drafter
 from specfit.training import drafter as td
 from specfit.training.responses import ResponseConfig, build_prompts, generate_responses
-from specfit.training.target import make_config, save_final
+from specfit.training.target import make_config
+from specfit.training.target_report import save_final
 from specfit.training.tokenizer import EOS_ID, encode_batch, train_tokenizer
 from specfit.training.ttt import draft_vocab_from_counts
 

@@ -1,5 +1,6 @@
-"""Training code for the embedded default: the target (``target.py``), its drafter (``drafter.py``) and the route
-predictor (``router.py``)."""
+"""Training code for the embedded default: the target (``target.py``, the command; ``target_loop.py``;
+``target_report.py``, the saved folder and its card), its drafter (``drafter.py``) and the route predictor
+(``router.py``)."""
 
 from pathlib import Path
 

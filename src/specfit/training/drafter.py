@@ -27,7 +27,7 @@ import specfit
 from ..drafting.drafter import Eagle3Config, Eagle3Drafter
 from . import load_checkpoint
 from .responses import ResponseConfig, Responses, build_prompts, generate_responses
-from .target import lr_at
+from .target_loop import lr_at
 from .ttt import draft_vocab_from_counts, ttt_loss
 
 EMBEDDED = Path(specfit.__file__).parent / "embedded"
@@ -317,10 +317,10 @@ def fit_acceptance(target_dir: Path, out: Path, num_prompts: int = 24, max_new_t
 
 
 def model_card(report: dict) -> str:
-    from .target import _openstax_books
+    from .target_report import openstax_books
 
     dc, tc, d = report["drafter_config"], report["train"], report["data"]
-    titles, authors = _openstax_books(report["openstax_books"])
+    titles, authors = openstax_books(report["openstax_books"])
     held = report["heldout"]
     depth_head = " | ".join(f"depth {j + 1}" for j in range(len(held["acc"])))
     lines = [
