@@ -9,9 +9,11 @@ import torch
 import specfit
 from specfit.evaluation.datasets import CNN_PROMPT, GSM8K_PROMPT
 from specfit.drafting.formats import load_drafter, save_drafter
-from specfit.training import drafter as td
+from specfit.training.drafter import make_drafter
+from specfit.training.drafter_loop import DrafterTrainConfig, TargetTap, evaluate, fixed_batches, split, train
 from specfit.training.responses import ResponseConfig, build_prompts, generate_responses
-from specfit.training.target import make_config, save_final
+from specfit.training.target import make_config
+from specfit.training.target_report import save_final
 from specfit.training.tokenizer import EOS_ID, encode_batch, train_tokenizer
 from specfit.training.ttt import draft_vocab_from_counts
 
@@ -65,10 +67,10 @@ def data(tokenizer, prompts, tmp_path_factory):
 def new_drafter(target, data, train_idx, seed=0):
     counts = torch.bincount(data.response_tokens(train_idx), minlength=target.config.vocab_size)
     d2t, t2d = draft_vocab_from_counts(counts, 192, target.config.vocab_size)
-    return td.make_drafter(target, d2t, t2d, intermediate_size=64, seed=seed)
+    return make_drafter(target, d2t, t2d, intermediate_size=64, seed=seed)
 
 
-CFG = td.DrafterTrainConfig(steps=8, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=4, ckpt_every=100)
+CFG = DrafterTrainConfig(steps=8, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=4, ckpt_every=100)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -137,21 +139,21 @@ def test_make_drafter_keeps_aux_layers_in_layer_order():
     the ids are passed in; the config records them that way."""
     target = tiny_target()
     d2t, t2d = draft_vocab_from_counts(torch.ones(384), 192, 384)
-    drafter = td.make_drafter(target, d2t, t2d, intermediate_size=64, aux_layer_ids=(3, 0, 2))
+    drafter = make_drafter(target, d2t, t2d, intermediate_size=64, aux_layer_ids=(3, 0, 2))
     assert drafter.config.aux_layer_ids == (0, 2, 3)
-    assert td.make_drafter(target, d2t, t2d, intermediate_size=64).config.aux_layer_ids == (1, 2, 3)
+    assert make_drafter(target, d2t, t2d, intermediate_size=64).config.aux_layer_ids == (1, 2, 3)
 
 
 def test_training_lowers_heldout_loss(data, tmp_path):
     target = tiny_target()
-    train_idx, heldout_idx = td.split(data, heldout_fraction=0.2)
+    train_idx, heldout_idx = split(data, heldout_fraction=0.2)
     drafter = new_drafter(target, data, train_idx)
-    tap = td.TargetTap(target, drafter.config.aux_layer_ids)
-    held = td.fixed_batches([len(s) for s in data.sequences], heldout_idx, 4)
-    before = td.evaluate(drafter, tap, data, held, CFG.ttt_steps, CFG.decay)
+    tap = TargetTap(target, drafter.config.aux_layer_ids)
+    held = fixed_batches([len(s) for s in data.sequences], heldout_idx, 4)
+    before = evaluate(drafter, tap, data, held, CFG.ttt_steps, CFG.decay)
     tap.remove()
-    cfg = td.DrafterTrainConfig(**{**CFG.__dict__, "steps": 24, "eval_every": 24})
-    state = td.train(drafter, target, data, train_idx, heldout_idx, cfg, tmp_path, progress=False)
+    cfg = DrafterTrainConfig(**{**CFG.__dict__, "steps": 24, "eval_every": 24})
+    state = train(drafter, target, data, train_idx, heldout_idx, cfg, tmp_path, progress=False)
     after = state["history"][-1]
     assert state["step"] == 24 and len(after["heldout_acc"]) == CFG.ttt_steps
     assert sum(after["heldout_loss"]) < 0.9 * sum(before["loss"])
@@ -159,25 +161,25 @@ def test_training_lowers_heldout_loss(data, tmp_path):
 
 
 def test_resume_reproduces_uninterrupted_run(data, tmp_path):
-    train_idx, heldout_idx = td.split(data, heldout_fraction=0.2)
+    train_idx, heldout_idx = split(data, heldout_fraction=0.2)
     target = tiny_target()
     straight = new_drafter(target, data, train_idx)
-    td.train(straight, target, data, train_idx, heldout_idx, CFG, tmp_path / "a", progress=False)
+    train(straight, target, data, train_idx, heldout_idx, CFG, tmp_path / "a", progress=False)
     first = new_drafter(target, data, train_idx)
-    state = td.train(first, target, data, train_idx, heldout_idx, CFG, tmp_path / "b", stop_at=3, progress=False)
+    state = train(first, target, data, train_idx, heldout_idx, CFG, tmp_path / "b", stop_at=3, progress=False)
     assert state["step"] == 3
     resumed = new_drafter(target, data, train_idx, seed=123)  # different init: the checkpoint must replace it
-    state = td.train(resumed, target, data, train_idx, heldout_idx, CFG, tmp_path / "b", resume=True, progress=False)
+    state = train(resumed, target, data, train_idx, heldout_idx, CFG, tmp_path / "b", resume=True, progress=False)
     assert state["step"] == CFG.steps
     a, b = straight.state_dict(), resumed.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_saved_drafter_loads_and_decodes_losslessly(data, tmp_path):
-    train_idx, heldout_idx = td.split(data, heldout_fraction=0.2)
+    train_idx, heldout_idx = split(data, heldout_fraction=0.2)
     target = tiny_target()
     drafter = new_drafter(target, data, train_idx)
-    td.train(drafter, target, data, train_idx, heldout_idx, CFG, tmp_path / "work", progress=False)
+    train(drafter, target, data, train_idx, heldout_idx, CFG, tmp_path / "work", progress=False)
     save_drafter(drafter, tmp_path / "drafter")
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]

@@ -9,7 +9,8 @@ import torch
 
 from specfit.evaluation.datasets import EOS_TEXT
 from specfit.training import corpus, routing_stats as rs
-from specfit.training.target import TrainConfig, lr_at, make_config, train
+from specfit.training.target import make_config
+from specfit.training.target_loop import TrainConfig, lr_at, train
 from specfit.training.tokenizer import EOS_ID, load_tokenizer, train_tokenizer
 
 NAMES = ["Janet", "Tom", "Maria", "Ken", "Ali", "Rosa"]

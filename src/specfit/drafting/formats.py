@@ -38,6 +38,9 @@ Aux-layer ids. SpecFit stores ONE convention: the 0-based index of the target de
 
 ``aux_layer_convention="output"`` or ``"hidden_states"`` overrides where-found detection (sglang#25454 and vllm#43671
 document checkpoints written for the other reader).
+
+Finding and reading the files is ``checkpoint_files``; checking the tensors against the config and the target is
+``checkpoint_checks``.
 """
 
 from __future__ import annotations
@@ -48,12 +51,9 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint_checks import check_fit, check_keys, check_shapes, check_vocab_maps, fit_error
+from .checkpoint_files import CONFIG_NAME, SAFETENSORS_NAME, locate, read_json, read_weights
 from .drafter import Eagle3Config, Eagle3Drafter
-
-CONFIG_NAME = "config.json"
-SAFETENSORS_NAME = "model.safetensors"
-SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
-BIN_NAME = "pytorch_model.bin"
 
 # speculators writes transformer_layer_config with to_diff_dict(): fields equal to these LlamaConfig defaults are absent
 _LLAMA_DEFAULTS = {
@@ -66,24 +66,6 @@ _LLAMA_DEFAULTS = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
 }
-REQUIRED_KEYS = (
-    "fc.weight",
-    "midlayer.input_layernorm.weight",
-    "midlayer.hidden_norm.weight",
-    "midlayer.self_attn.q_proj.weight",
-    "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight",
-    "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight",
-    "midlayer.mlp.up_proj.weight",
-    "midlayer.mlp.down_proj.weight",
-    "norm.weight",
-    "lm_head.weight",
-    "d2t",
-    "t2d",
-)
-OPTIONAL_KEYS = {"embed_tokens.weight"}  # an owned embedding; otherwise the target's is shared
 IGNORED_KEYS = {"verifier_lm_head.weight", "verifier_norm.weight"}  # speculators: copies of the target's head / norm
 # variants with extra norms before fc; their weights would not be used by this module
 UNSUPPORTED_FLAGS = ("fc_norm", "norm_before_fc")
@@ -119,9 +101,9 @@ def load_drafter(
     """
     if aux_layer_convention not in AUX_CONVENTIONS:
         raise ValueError(f"aux_layer_convention={aux_layer_convention!r}, expected one of {AUX_CONVENTIONS}")
-    folder, weights_path = _locate(path_or_dir)
-    raw = _read_json(folder / CONFIG_NAME)
-    state = _normalize_keys(_read_weights(weights_path))
+    folder, weights_path = locate(path_or_dir)
+    raw = read_json(folder / CONFIG_NAME)
+    state = _normalize_keys(read_weights(weights_path))
     fields, ids, found_convention = _parse_config(raw)
     if fields["head_dim"] is None:
         q = state.get("midlayer.self_attn.q_proj.weight")
@@ -141,11 +123,11 @@ def load_drafter(
     config = Eagle3Config(**fields, aux_layer_ids=_resolve_aux_ids(ids, convention, n_layers))
 
     _complete_vocab_maps(state, config)
-    _check_keys(state)
-    _check_shapes(state, config)
-    _check_vocab_maps(state, config)
+    check_keys(state)
+    check_shapes(state, config)
+    check_vocab_maps(state, config)
     if target is not None:
-        _check_fit(state, config, target)
+        check_fit(state, config, target)
 
     with torch.device("meta"):  # no random init of weights about to be replaced
         drafter = Eagle3Drafter(config, own_embedding="embed_tokens.weight" in state)
@@ -207,91 +189,7 @@ def save_drafter(drafter: Eagle3Drafter, out_dir, dtype: torch.dtype | None = No
     save_file(state, str(out / SAFETENSORS_NAME), metadata={"format": "pt"})
 
 
-# ---------------------------------------------------------------------------------------------------- reading
-
-
-def _locate(path_or_dir) -> tuple[Path, Path]:
-    """-> (folder with config.json, weights file); a missing local path shaped like ``owner/name`` is a hub repo."""
-    path = Path(path_or_dir)
-    if not path.exists():
-        path = _download(str(path_or_dir))
-    folder = path if path.is_dir() else path.parent
-    if not (folder / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"no {CONFIG_NAME} in {folder}")
-    if path.is_file() and path.name != CONFIG_NAME:
-        return folder, path
-    for name in (SAFETENSORS_NAME, SAFETENSORS_INDEX_NAME, BIN_NAME):
-        if (folder / name).is_file():
-            return folder, folder / name
-    raise FileNotFoundError(f"no {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {BIN_NAME} in {folder}")
-
-
-def _download(text: str) -> Path:
-    """A hub repo id -> its local snapshot; FileNotFoundError naming the path when there is neither."""
-    if text.count("/") != 1 or text.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"no drafter checkpoint at {text}: no such file or folder")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
-    except HFValidationError:
-        raise FileNotFoundError(
-            f"no drafter checkpoint at {text}: no such folder (and not a valid hub repo id)"
-        ) from None
-    except LocalEntryNotFoundError:
-        raise FileNotFoundError(
-            f"no drafter checkpoint at {text}: no such folder, and no hub access to download the repo {text!r} "
-            "(offline or unreachable, and not in the local hub cache); check the path, or download the repo first"
-        ) from None
-    except RepositoryNotFoundError:
-        raise FileNotFoundError(
-            f"no drafter checkpoint at {text}: no such folder, and no hub repo {text!r} (missing, private or gated)"
-        ) from None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); the file is corrupt: fetch the checkpoint again") from e
-
-
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    """One safetensors or PyTorch weights file -> tensors; ValueError naming the file when it cannot be read."""
-    import pickle
-
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if path.suffix == ".safetensors":
-        try:
-            return load_file(str(path), device="cpu")
-        except SafetensorError as e:
-            raise ValueError(
-                f"{path}: not a readable safetensors file ({e}); it is truncated or corrupt (an interrupted download "
-                "or a git-lfs pointer?): fetch it again"
-            ) from e
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
-        first = str(e).splitlines()[0] if str(e) else "empty file"
-        raise ValueError(
-            f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}: {first}); it is truncated or corrupt: "
-            "fetch it again"
-        ) from e
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if path.name.endswith(".index.json"):
-        index = _read_json(path)
-        if not isinstance(index.get("weight_map"), dict):
-            raise ValueError(f"{path}: no 'weight_map' object (a safetensors index maps tensor names to shard files)")
-        state = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            state.update(_read_file(path.parent / shard))
-        return state
-    return _read_file(path)
+# ---------------------------------------------------------------------------------------------------- layouts
 
 
 def _normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -388,38 +286,10 @@ def _resolve_aux_ids(ids, convention: str, num_target_layers: int | None) -> tup
             )
             out = tuple(sorted(out))
     if num_target_layers is not None and not all(0 <= i < num_target_layers for i in out):
-        raise _fit_error(
+        raise fit_error(
             f"{found} gives output-of-layer ids {out}, expected ids in [0, num_hidden_layers={num_target_layers})"
         )
     return out
-
-
-# ---------------------------------------------------------------------------------------------------- checks
-
-
-def _expected_shapes(c: Eagle3Config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """key -> (shape, how to read it) implied by the config."""
-    h, i, d, ht = c.hidden_size, c.intermediate_size, c.head_dim, c.target_hidden_size
-    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
-    shapes = {
-        "fc.weight": ((h, 3 * ht), f"(hidden_size={h}, 3*target_hidden_size={3 * ht})"),
-        "midlayer.input_layernorm.weight": ((h,), f"(hidden_size={h},)"),
-        "midlayer.hidden_norm.weight": ((h,), f"(hidden_size={h},)"),
-        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), f"(heads*head_dim={q}, 2*hidden_size={2 * h})"),
-        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), f"(kv_heads*head_dim={kv}, 2*hidden_size={2 * h})"),
-        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), f"(kv_heads*head_dim={kv}, 2*hidden_size={2 * h})"),
-        "midlayer.self_attn.o_proj.weight": ((h, q), f"(hidden_size={h}, heads*head_dim={q})"),
-        "midlayer.post_attention_layernorm.weight": ((h,), f"(hidden_size={h},)"),
-        "midlayer.mlp.gate_proj.weight": ((i, h), f"(intermediate_size={i}, hidden_size={h})"),
-        "midlayer.mlp.up_proj.weight": ((i, h), f"(intermediate_size={i}, hidden_size={h})"),
-        "midlayer.mlp.down_proj.weight": ((h, i), f"(hidden_size={h}, intermediate_size={i})"),
-        "norm.weight": ((h,), f"(hidden_size={h},)"),
-        "lm_head.weight": ((c.draft_vocab_size, h), f"(draft_vocab_size={c.draft_vocab_size}, hidden_size={h})"),
-        "d2t": ((c.draft_vocab_size,), f"(draft_vocab_size={c.draft_vocab_size},)"),
-        "t2d": ((c.vocab_size,), f"(vocab_size={c.vocab_size},)"),
-        "embed_tokens.weight": ((c.vocab_size, h), f"(vocab_size={c.vocab_size}, hidden_size={h})"),
-    }
-    return shapes
 
 
 def _complete_vocab_maps(state: dict, c: Eagle3Config) -> None:
@@ -443,67 +313,3 @@ def _complete_vocab_maps(state: dict, c: Eagle3Config) -> None:
     if "t2d" in state:
         state["t2d"] = state["t2d"].bool()
 
-
-def _check_keys(state: dict) -> None:
-    required = REQUIRED_KEYS
-    missing = [k for k in required if k not in state]
-    if missing:
-        raise ValueError(f"drafter checkpoint is missing required key(s): {', '.join(missing)}")
-    unexpected = sorted(k for k in state if k not in required and k not in OPTIONAL_KEYS)
-    if unexpected:
-        hint = " (only one decoder layer is supported)" if any(k.startswith("layers.") for k in unexpected) else ""
-        raise ValueError(f"drafter checkpoint has unexpected key(s): {', '.join(unexpected)}{hint}")
-
-
-def _check_shapes(state: dict, c: Eagle3Config) -> None:
-    for key, (shape, how) in _expected_shapes(c).items():
-        if key in state and tuple(state[key].shape) != shape:
-            raise ValueError(
-                f"drafter checkpoint does not match its config.json: {key} has shape {tuple(state[key].shape)}, "
-                f"expected {how}"
-            )
-
-
-def _check_vocab_maps(state: dict, c: Eagle3Config) -> None:
-    """eagle3.md §2.2: t2d marks exactly Vd ids and d2t lists them in increasing order."""
-    d2t, t2d = state["d2t"], state["t2d"]
-    marked = int(t2d.sum())
-    if marked != c.draft_vocab_size:
-        raise ValueError(f"t2d marks {marked} target ids, expected draft_vocab_size={c.draft_vocab_size}")
-    ids = torch.arange(c.draft_vocab_size) + d2t  # [Vd] target ids of the draft vocab
-    if c.draft_vocab_size > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        bad = int((ids[1:] <= ids[:-1]).nonzero()[0]) + 1
-        raise ValueError(f"d2t: arange(Vd)+d2t must be strictly increasing, but draft id {bad} maps to {int(ids[bad])}")
-    if int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
-        raise ValueError(f"d2t maps draft ids to target ids in [{int(ids.min())}, {int(ids.max())}], outside "
-                         f"[0, vocab_size={c.vocab_size})")
-    if not bool(t2d[ids].all()):
-        raise ValueError("d2t and t2d disagree: some target id reached through d2t is not marked in t2d")
-
-
-def _fit_error(message: str) -> ValueError:
-    return ValueError(f"drafter does not fit the target: {message}")
-
-
-def _check_fit(state: dict, c: Eagle3Config, target) -> None:
-    hidden = target.config.hidden_size
-    embedding = target.get_input_embeddings().weight
-    vocab = embedding.shape[0]
-    fc = tuple(state["fc.weight"].shape)
-    if fc[1] != 3 * hidden:
-        raise _fit_error(f"fc.weight has shape {fc}, expected ({fc[0]}, 3*target_hidden={3 * hidden})")
-    t2d = tuple(state["t2d"].shape)
-    if t2d[0] != vocab:
-        raise _fit_error(
-            f"t2d has shape {t2d} (vocab_size={c.vocab_size}), expected (target_vocab={vocab},) (rows of the target "
-            "embedding)"
-        )
-    if "embed_tokens.weight" in state:
-        own = tuple(state["embed_tokens.weight"].shape)
-        if own[0] != vocab:
-            raise _fit_error(f"embed_tokens.weight has shape {own}, expected (target_vocab={vocab}, {own[1]})")
-    elif tuple(embedding.shape) != (c.vocab_size, c.hidden_size):
-        raise _fit_error(
-            f"the shared target embedding has shape {tuple(embedding.shape)}, expected "
-            f"(vocab_size={c.vocab_size}, hidden_size={c.hidden_size}) (the checkpoint has no embed_tokens.weight)"
-        )

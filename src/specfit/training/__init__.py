@@ -1,5 +1,6 @@
-"""Training code for the embedded default: the target (``target.py``), its drafter (``drafter.py``) and the route
-predictor (``router.py``)."""
+"""Training code for the embedded default: the target and its drafter, each as a command (``target.py``,
+``drafter.py``), its training loop (``target_loop.py``, ``drafter_loop.py``) and the saved folder's measures and
+model card (``target_report.py``, ``drafter_report.py``); and the route predictor (``router.py``)."""
 
 from pathlib import Path
 
