@@ -184,3 +184,21 @@ def test_cache_aware_selection_prices_resident_experts_at_their_compute_only():
     configure(model, cost="cache-aware")
     runtime.clear_cache()
     assert winner() == ()  # nothing resident: the nodes' experts are copies
+
+
+def test_specfit_charges_exactly_the_levels_it_has_drafted():
+    """After drafting level d, the selector's cost model includes the drafting of levels 1..d and no other: each
+    intercept is the profile's (which includes every probed level) less the levels not drafted yet."""
+    from specfit.decoding.assistants import SpecFitGenerator
+
+    levels = (0.001, 0.002, 0.003, 0.004, 0.005)
+    cost = CostModel(tuple(0.02 + 0.001 * n for n in range(8)), 4e-5, draft_level_seconds=levels,
+                     copy_overhead=1.6e-4, link_share=1.0)
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=5, drafter=SelfDrafter(model, first_token=int(PROMPT[0, 0])), cost_model=cost)
+    gen = SpecFitGenerator(model)
+    assert len(gen.level_costs) == model.specfit.options.depth == 5
+    for depth, at in enumerate(gen.level_costs, start=1):
+        assert at.draft_level_seconds == levels[:depth]
+        assert at.intercepts == pytest.approx([a - sum(levels[depth:]) for a in cost.intercepts])
+        assert at.copy == gen.cost.copy and at.beta == cost.beta
