@@ -55,6 +55,7 @@ def load(cache_slots: int, *, drafter: bool = True, dtype=None, **enable_kwargs)
     model = from_pretrained(TARGET_DIR, cache_slots=cache_slots, dtype=dtype or torch.float32, device="cpu",
                             drafter=str(DRAFTER_DIR) if drafter else None, **enable_kwargs)
     model.config._name_or_path = MODEL_ID
+    model.specfit.calibrate_command = "specfit calibrate"  # what warnings name to fit this machine's profile
     return model, AutoTokenizer.from_pretrained(TARGET_DIR)
 
 

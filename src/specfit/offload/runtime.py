@@ -44,6 +44,7 @@ class SpecFitRuntime:
         self.untracked = False
         self.request = None  # the assistant of the generate() call in progress
         self.request_served = False  # whether generate() reached SpecFit's loop for it
+        self.calibrate_command = None  # the command that fits this machine's cost profile, set by who loaded it
         # decoding parts, set by enable()
         self.drafter = None
         self.options = None

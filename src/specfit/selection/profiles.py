@@ -50,15 +50,19 @@ def model_id(model) -> str:
 
 def model_key(model) -> str:
     """What a profile is filed under: the model's name and the shape that sets its costs (MoE layers, experts, top-k,
-    hidden size, the experts' stored dtype), so two sizes of one class never share a profile.
+    hidden size, the dtype it computes in), so two sizes of one class never share a profile. (How the experts are
+    stored, e.g. FP8, changes the bytes a copy moves, which the link's time per copy reads; an FP8 checkpoint has a
+    name of its own.)
 
     e.g. ``'Qwen/Qwen3-30B-A3B [48x128e top8 h2048 bfloat16]'``"""
+    from .. import seam
+
     runtime = model.specfit
     store = runtime.store
     text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_k", "top_k", "num_experts_per_token")
                   if isinstance(getattr(text, k, None), int)), "?")
-    dtype = str(getattr(store, "stored_dtype", store.dtype)).replace("torch.", "")
+    dtype = str(seam.compute_dtype(model)).replace("torch.", "")
     return f"{model_id(model)} [{len(store.arenas)}x{store.num_experts}e top{top_k} h{store.hidden} {dtype}]"
 
 
@@ -81,14 +85,13 @@ def link_seconds(runtime) -> float:
 
 
 def calibrate_command(model) -> str:
-    """The call that fits this machine's profile for ``model``, as it works for it: the command line for the embedded
-    model or a checkpoint folder / hub id, the Python call for a model built in code."""
-    from ..embedded import MODEL_ID
-
-    name = model_id(model)
+    """The call that fits this machine's profile for ``model``, as it works for it: what the code that loaded it
+    recorded (``model.specfit.calibrate_command``: the embedded model's ``specfit calibrate``), else the command line
+    for a checkpoint folder or hub id, else the Python call for a model built in code."""
+    hint = getattr(model.specfit, "calibrate_command", None)
+    if hint:
+        return f"`{hint}`"
     source = str(getattr(model.config, "_name_or_path", "") or "")
-    if name == MODEL_ID:
-        return "`specfit calibrate`" + (" --fp8" if "fp8" in model_key(model).lower() else "")
     if source and (Path(source).is_dir() or ("/" in source and not Path(source).is_absolute())):
         return f"`specfit calibrate --model {source}`"
     return "`specfit.calibrate(model, prompts)` (Python: this model was built in code, so the command line cannot " \
