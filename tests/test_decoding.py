@@ -243,18 +243,38 @@ def test_errors():
         configure(model, max_nodes=-1)
 
 
+def skipped_before_probe(backoff, bound: int) -> int:
+    """Cycles that skip drafting before the next probe, counted up to ``bound``: past it the backoff never probes."""
+    for skipped in range(bound + 1):
+        if not backoff.skip():
+            return skipped
+    raise AssertionError(f"the backoff skipped {bound + 1} cycles in a row: it never probes again")
+
+
 def test_backoff_schedule():
     from specfit.decoding.assistants import Backoff
 
     b, pattern = Backoff(most=4), []
     for paid in (False, False, False, False, True, False, True, True, False):
         b.record(paid)
-        skipped = 0
-        while b.skip():
-            skipped += 1
-        pattern.append(skipped)
+        pattern.append(skipped_before_probe(b, 4))
     # doubles after each failed probe, capped; a paying cycle halves the ladder, a run of them resets it
     assert pattern == [1, 2, 4, 4, 0, 4, 0, 0, 1]
+
+
+@pytest.mark.parametrize("most", [1, 5, 32])
+def test_backoff_probes_again_after_the_documented_number_of_cycles(most):
+    """After ``k`` failed cycles in a row exactly ``min(2**(k-1), most)`` cycles skip drafting, then one probes
+    (skip() is False), also long after the cap was reached; the probe's cycle drafts, so it records again."""
+    from specfit.decoding.assistants import Backoff
+
+    b = Backoff(most=most)
+    assert not b.skipping and skipped_before_probe(b, 0) == 0  # nothing failed yet: draft
+    for k in range(1, 12):
+        b.record(paid=False)
+        assert b.skipping
+        assert skipped_before_probe(b, most) == min(2 ** (k - 1), most), f"after {k} failures"
+        assert not b.skipping
 
 
 def test_specfit_skips_drafting_that_does_not_pay_and_stays_lossless():
