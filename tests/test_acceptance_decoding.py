@@ -138,6 +138,44 @@ def test_expected_tokens_in_the_stats():
     assert g.expected_tokens == g.tokens_committed == g.cycles and g.expected_over_committed == 1.0
 
 
+class DepthRankEstimates:
+    """An acceptance model whose estimate differs by depth, rank and q, so that every product along a path is its
+    own number; counts its predictions."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def predict(self, depth, rank, q):
+        self.calls += 1
+        return 0.95 - 0.15 * depth - 0.1 * rank + 0.05 * q
+
+
+def test_path_values_are_products_along_the_whole_path():
+    """SpecFit's path value of a node is the product of the acceptance estimates from the root down to it, at every
+    depth (a depth-4 chain here, and branches); each node is estimated once, when its level is drafted. At depth 3
+    and below, the product of the node's and its parent's estimates alone is a different number."""
+    from specfit.decoding.assistants import SpecFitGenerator
+    from specfit.drafting.tree import ancestors_or_self
+
+    levels = [((-1, 1, 0.6), (-1, 2, 0.3)), ((0, 1, 0.5), (0, 2, 0.4), (1, 1, 0.9)), ((2, 1, 0.7), (4, 1, 0.2)),
+              ((5, 1, 0.8),)]  # (parent, rank, q) per node, level by level
+    generator = SpecFitGenerator(enabled())
+    generator.acceptance, generator.values, generator.estimates = DepthRankEstimates(), [], []
+    tree = DraftTree()
+    for level in levels:  # as draft() calls it: after each level, the newest level's nodes are estimated
+        for parent, rank, q in level:
+            tree.add(parent, 3, (1.0 if parent < 0 else tree.path_probs[parent]) * q, rank)
+        values = generator._path_values(tree)
+    assert tree.depths == [1, 1, 2, 2, 2, 3, 3, 4] and generator.acceptance.calls == len(tree)
+    estimate = [DepthRankEstimates().predict(d, r, q) for d, r, q in zip(tree.depths, tree.ranks, tree.qs)]
+    assert generator.estimates == pytest.approx(estimate, rel=1e-12)
+    for v in range(len(tree)):
+        path = list(ancestors_or_self(tree.parents, v))
+        assert values[v] == pytest.approx(np.prod([estimate[u] for u in path]), rel=1e-12), f"node {v}"
+        if len(path) >= 3:  # the mutant a depth-2 test cannot see: the parent's estimate alone
+            assert values[v] != pytest.approx(estimate[v] * estimate[path[1]], rel=1e-6)
+
+
 def test_acceptance_option_is_checked():
     model = enabled()
     with pytest.raises(ValueError, match="acceptance must be 'calibrated'"):

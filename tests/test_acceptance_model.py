@@ -186,3 +186,20 @@ def test_expected_calibration_error_and_its_floor():
     rng = random.Random(0)
     few, many = [rng.uniform(0.2, 0.6) for _ in range(300)], [rng.uniform(0.2, 0.6) for _ in range(30000)]
     assert 0.03 < ece_floor(few) < 0.09 and ece_floor(many) < 0.01
+
+
+def test_an_unlabelled_bucket_backs_off_to_its_own_ranks_shift():
+    """Rank 1 is accepted far less than the table says and rank 2 far more, each seen in one q-bin only: every
+    bucket of a rank with no labels of its own (other bins, other depths) moves by that rank's shift, the same
+    amount on the logit scale for all of them, down for rank 1 and up for rank 2; rank 3, with no labels at all,
+    moves as the whole table did (in between). None takes another rank's shift."""
+    table = AcceptanceTables.default().greedy
+    model, fresh = AcceptanceModel(table, decay=1.0), AcceptanceModel(table, decay=1.0)
+    model.update([(1, 1, 0.6, 0.0)] * 40 + [(1, 2, 0.1, 1.0)] * 40)
+    unlabelled = [(d, q) for d in (1, 3, 5) for q in (0.03, 0.3, 0.9)]  # not the bins of 0.6 and 0.1
+    shifts = {rank: [logit(model.predict(d, rank, q)) - logit(fresh.predict(d, rank, q)) for d, q in unlabelled]
+              for rank in (1, 2, 3)}
+    for rank in (1, 2, 3):
+        assert max(shifts[rank]) - min(shifts[rank]) < 1e-6, (rank, shifts[rank])
+    assert shifts[1][0] < -2.0 and shifts[2][0] > 2.0  # both far from the table
+    assert shifts[1][0] + 1.0 < shifts[3][0] < shifts[2][0] - 1.0

@@ -3,6 +3,7 @@ offloading on at a small slot count."""
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from conftest import SelfDrafter, tiny_moe
@@ -244,18 +245,38 @@ def test_errors():
         configure(model, max_nodes=-1)
 
 
+def skipped_before_probe(backoff, bound: int) -> int:
+    """Cycles that skip drafting before the next probe, counted up to ``bound``: past it the backoff never probes."""
+    for skipped in range(bound + 1):
+        if not backoff.skip():
+            return skipped
+    raise AssertionError(f"the backoff skipped {bound + 1} cycles in a row: it never probes again")
+
+
 def test_backoff_schedule():
     from specfit.decoding.assistants import Backoff
 
     b, pattern = Backoff(most=4), []
     for paid in (False, False, False, False, True, False, True, True, False):
         b.record(paid)
-        skipped = 0
-        while b.skip():
-            skipped += 1
-        pattern.append(skipped)
+        pattern.append(skipped_before_probe(b, 4))
     # doubles after each failed probe, capped; a paying cycle halves the ladder, a run of them resets it
     assert pattern == [1, 2, 4, 4, 0, 4, 0, 0, 1]
+
+
+@pytest.mark.parametrize("most", [1, 5, 32])
+def test_backoff_probes_again_after_the_documented_number_of_cycles(most):
+    """After ``k`` failed cycles in a row exactly ``min(2**(k-1), most)`` cycles skip drafting, then one probes
+    (skip() is False), also long after the cap was reached; the probe's cycle drafts, so it records again."""
+    from specfit.decoding.assistants import Backoff
+
+    b = Backoff(most=most)
+    assert not b.skipping and skipped_before_probe(b, 0) == 0  # nothing failed yet: draft
+    for k in range(1, 12):
+        b.record(paid=False)
+        assert b.skipping
+        assert skipped_before_probe(b, most) == min(2 ** (k - 1), most), f"after {k} failures"
+        assert not b.skipping
 
 
 def test_specfit_skips_drafting_that_does_not_pay_and_stays_lossless():
@@ -269,6 +290,55 @@ def test_specfit_skips_drafting_that_does_not_pay_and_stays_lossless():
     assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False, assistant="specfit"), expected)
     pools = [c.pool for c in model.specfit.stats.trace]
     assert pools.count(0) > len(pools) / 2 and any(p > 0 for p in pools)  # mostly skipped, probed now and then
+
+
+class ScriptedLevels:
+    """A ``TreeDrafter`` stand-in that drafts a fixed pool, level by level: ``qs[d]`` are the conditional draft
+    probabilities of level d + 1's two nodes (ranks 1 and 2, both under the previous level's rank-1 node). Counts the
+    levels it was asked for; SpecFit stops asking by no longer iterating."""
+
+    def __init__(self, qs):
+        self.qs, self.drafted = qs, 0
+
+    def levels(self):
+        from specfit.drafting.tree import DraftTree
+
+        tree, parent = DraftTree(), -1
+        for q1, q2 in self.qs:
+            above = 1.0 if parent < 0 else tree.path_probs[parent]
+            top = tree.add(parent, 3, above * q1, 1)
+            tree.add(parent, 4, above * q2, 2)
+            parent = top
+            self.drafted += 1
+            yield tree
+
+
+def specfit_drafting(qs):
+    """SpecFit's draft() over a scripted pool, under the paper's path probabilities and routes that cost nothing
+    (so the selector's winner follows the probabilities alone): (levels drafted, the winner's nodes, their depths)."""
+    from specfit.decoding.assistants import SpecFitGenerator
+    from specfit.selection.route_sources import Cycle
+
+    model = enabled(PROMPTS[0], acceptance="paper")
+    generator = SpecFitGenerator(model)
+    generator.drafter = ScriptedLevels(qs)
+    L, E = model.config.num_hidden_layers, model.config.num_experts
+    generator.routes = lambda cycle, tree: (np.zeros((len(tree), L, E), bool), np.zeros((L, E), bool))
+    tree = generator.draft(Cycle(model=model, cache=None, base=0, root=2))
+    nodes = generator.select(tree, None)
+    return generator.drafter.drafted, nodes, [tree.depths[v] for v in nodes]
+
+
+def test_specfit_drafts_deeper_while_the_winner_takes_the_newest_level():
+    """A winner that takes a node of the newest level makes SpecFit draft the next level, to the full depth; a
+    winner that takes none stops drafting there (at level 1, 3 or 5 here), and it is never asked for a level more."""
+    sure, unlikely = (0.97, 0.01), (1e-4, 1e-5)
+    drafted, nodes, depths = specfit_drafting([sure] * 5)
+    assert drafted == 5 and max(depths) == 5  # every level's rank-1 node won: drafted to depth 5
+    drafted, nodes, depths = specfit_drafting([sure, sure, unlikely, sure, sure])
+    assert drafted == 3 and nodes == (0, 2)  # level 3 gave the winner nothing: levels 4 and 5 never drafted
+    drafted, nodes, depths = specfit_drafting([unlikely] + [sure] * 4)
+    assert drafted == 1 and nodes == ()  # the root alone won at level 1
 
 
 @pytest.mark.parametrize("assistant", ["eagle3", "specfit"])

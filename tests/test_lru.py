@@ -87,3 +87,28 @@ def test_bad_input():
         lru.plan([8])
     with pytest.raises(ValueError, match="distinct"):
         lru.plan([1, 1])
+
+
+def test_an_unconfirmed_load_is_a_load_again_at_the_next_plan():
+    """``plan(..., confirmed=False)`` interrupted before ``confirm``: the next plan forgets the load (its copy may never
+    have run), so the expert is a load again, into a free slot, and nothing else is disturbed. Confirmed, it hits."""
+    lru = LRUSlots(num_slots=3, num_experts=8)
+    lru.plan([1, 2])
+    p = lru.plan([4], confirmed=False)
+    assert p.loads == ((4, 2),)
+    assert lru.slot_of(4) is None and lru.resident == {1: 0, 2: 1}  # not resident until confirmed
+    p = lru.plan([4, 1])  # no confirm came: 4 is a load again, not a hit; 1 still hits
+    assert (p.hits, p.loads, p.streamed, p.evicted) == (((1, 0),), ((4, 2),), (), ())
+    assert lru.resident == {2: 1, 4: 2, 1: 0}
+    # full slots: an unconfirmed load that evicted an expert; the evicted one stays gone, its slot is free again
+    p = lru.plan([5], confirmed=False)
+    assert (p.loads, p.evicted) == (((5, 1),), (2,))
+    p = lru.plan([5])
+    assert (p.hits, p.loads, p.evicted) == ((), ((5, 1),), ())
+    assert lru.resident == {4: 2, 1: 0, 5: 1}
+    # confirmed before the next plan: resident, a hit
+    lru.plan([6], confirmed=False)
+    lru.confirm([6])
+    assert lru.slot_of(6) is not None
+    p = lru.plan([6])
+    assert p.hits == ((6, lru.slot_of(6)),) and p.loads == ()

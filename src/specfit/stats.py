@@ -7,6 +7,8 @@
   seconds riding along), replaced by every call. This is what to read after a call.
 - ``stats.total``: **the running sum** of every forward and call since ``stats.reset()`` (or since ``enable``).
 - ``stats.last_prefill`` (the last call's prompt forward) and ``stats.last_forward`` (the last target forward).
+  The prompt's forward is in ``last_prefill`` only, never in ``last_generate``: the two add up to the call's share of
+  ``total``, and under SpecFit's loop or plain decoding ``last_generate.forwards`` equals its ``cycles``.
 - ``stats.last_method``: the decoding path the last call ran: ``"ar"`` (transformers' own greedy or sampling
   decoding, no assistant); ``"specfit"``, ``"eagle3"`` or another registered assistant's name (SpecFit's loop);
   ``"assisted"`` (``assistant_model=``, ...) or ``"prompt_lookup"`` (``prompt_lookup_num_tokens=``): transformers'

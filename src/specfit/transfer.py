@@ -22,17 +22,41 @@ _RING = 8  # pinned buffers in rotation: one is rewritten only after its copy ha
 _CAPACITY = 4096  # int64 values per buffer to start with (32 KiB): grown when a prefill needs more
 
 
-class Staging:
-    """Pinned staging buffers for host -> device transfers of int64 values, on one device."""
+class CudaCopies:
+    """The CUDA calls the staging ring makes, in one small seam, so that a CPU test double (a fake stream whose
+    copies run only when the test lets them, tests/test_transfer.py) can stand in for them."""
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def pinned(self, n: int) -> torch.Tensor:
+        """A pinned host buffer of ``n`` int64 values."""
+        return torch.empty(n, dtype=torch.int64, pin_memory=True)
+
+    def copy(self, src: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``src``, queued on the current stream (from pinned memory the host goes on at once)."""
+        return src.to(self.device, non_blocking=True)
+
+    def event(self):
+        return torch.cuda.Event()
+
+
+class Staging:
+    """Pinned staging buffers for host -> device transfers of int64 values, on one device.
+
+    A ring of ``_RING`` buffers: each transfer takes the next one, and a buffer is rewritten only after the copy out
+    of it has run (its event, recorded after that copy, has fired; the host waits for it only when the ring came
+    round first). ``cuda``: the CUDA calls it makes (``CudaCopies``; a test double in the tests)."""
+
+    def __init__(self, device, cuda: CudaCopies | None = None):
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
         self._buffers: list[torch.Tensor | None] = [None] * _RING  # pinned int64 [capacity]
         self._events: list = [None] * _RING  # CUDA events: the copy out of each buffer has run
         self._next = 0
         if self.pinned:  # allocated up front: a decode allocates no pinned memory (unless a transfer outgrows them)
-            self._buffers = [torch.empty(_CAPACITY, dtype=torch.int64, pin_memory=True) for _ in range(_RING)]
+            self._cuda = cuda if cuda is not None else CudaCopies(self.device)
+            self._buffers = [self._cuda.pinned(_CAPACITY) for _ in range(_RING)]
 
     def to_device(self, *arrays) -> tuple[torch.Tensor, ...] | torch.Tensor:
         """int64 device tensors holding ``arrays`` (sequences of ints, or integer/bool NumPy arrays; shapes kept), in
@@ -50,16 +74,15 @@ class Staging:
             event.synchronize()  # rare: the ring came round before this buffer's copy ran
         buf = self._buffers[i]
         if buf is None or buf.numel() < total:
-            buf = self._buffers[i] = torch.empty(max(total, 2 * buf.numel() if buf is not None else 0),
-                                                 dtype=torch.int64, pin_memory=True)
+            buf = self._buffers[i] = self._cuda.pinned(max(total, 2 * buf.numel() if buf is not None else 0))
         view = buf.numpy()
         start = 0
         for a, n in zip(host, sizes):
             view[start:start + n] = a.reshape(-1)
             start += n
-        flat = buf[:total].to(self.device, non_blocking=True)  # one copy, ordered on the current stream
+        flat = self._cuda.copy(buf[:total])  # one copy, ordered on the current stream
         if event is None:
-            event = self._events[i] = torch.cuda.Event()
+            event = self._events[i] = self._cuda.event()
         event.record()
         out, start = [], 0
         for a, n in zip(host, sizes):
@@ -91,4 +114,4 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     return out
 
 
-__all__ = ["Staging", "to_host"]
+__all__ = ["Staging", "CudaCopies", "to_host"]

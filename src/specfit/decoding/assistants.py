@@ -196,7 +196,8 @@ class SpecFitGenerator(Eagle3Generator):
         return self.cost.predict(0, demand, levels=0, misses=misses)
 
     def _path_values(self, tree) -> list[float]:
-        """Path values of the pool (the newest level's nodes estimated now): products of acceptance estimates."""
+        """Path values of the pool (the newest level's nodes estimated now): each node's is the product of the
+        acceptance estimates of every node on its path, from the root's child down to itself."""
         values, estimates, predict = self.values, self.estimates, self.acceptance.predict
         parents, depths, ranks, qs = tree.parents, tree.depths, tree.ranks, tree.qs
         for v in range(len(values), len(tree)):
