@@ -229,3 +229,8 @@ def test_the_cuda_waits_are_restored_after_counting():
     with WouldBeSyncs():
         assert torch.cuda.synchronize is not originals[0]
     assert [torch.cuda.synchronize, torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize] == originals
+
+
+def test_empty_host_data_is_no_copy():
+    assert not counted(lambda: torch.tensor([], device="cpu"))  # transformers' KV cache starts so: no bytes move
+    assert counted(lambda: torch.tensor([0], device="cpu")) == {"tensor from host data": 1}

@@ -12,7 +12,8 @@ code ran on CUDA, by what they are:
   ``histc`` (its range is read when not given);
 - indexing a tensor with a host array, a Python list or tuple of ints or a NumPy array (``x[[1, 3]]``,
   ``x[np.array([1, 3])] = y``): it becomes a pageable host tensor, copied to the device synchronously;
-- ``torch.tensor(data, device=...)`` / ``torch.as_tensor(data, device=...)`` from host data: the same copy;
+- ``torch.tensor(data, device=...)`` / ``torch.as_tensor(data, device=...)`` from host data: the same copy (not
+  for empty data: a copy of no bytes is skipped);
 - host waits: ``torch.cuda.synchronize``, ``torch.cuda.Event.synchronize``, ``torch.cuda.Stream.synchronize``, and
   every wait SpecFit makes through ``specfit.transfer.host_wait`` (the copy engine's ``settle`` and ``drain``, the
   staging ring's rare wait). On a CPU run SpecFit reports there the waits the same code makes on CUDA (a forward's
@@ -73,6 +74,15 @@ def _is_host_index(index) -> bool:
     return isinstance(index, tuple) and any(isinstance(i, (list, np.ndarray)) for i in index)
 
 
+def _empty(data) -> bool:
+    """Host data with no values (``torch.tensor([], device=...)``, as transformers' KV cache starts): a copy of no
+    bytes, which CUDA skips."""
+    try:
+        return len(data) == 0
+    except TypeError:  # a scalar
+        return False
+
+
 class _Functions(TorchFunctionMode):
     def __init__(self, owner: "WouldBeSyncs"):
         super().__init__()
@@ -86,7 +96,7 @@ class _Functions(TorchFunctionMode):
         elif func in _INDEXING and len(args) > 1 and _is_host_index(args[1]):
             kind = "host-array index"
         elif func in _FROM_HOST and kwargs.get("device") is not None and args and \
-                not isinstance(args[0], torch.Tensor):
+                not isinstance(args[0], torch.Tensor) and not _empty(args[0]):
             kind = "tensor from host data"
         if kind is None:
             return func(*args, **kwargs)
