@@ -147,6 +147,39 @@ def test_decode_check_require_pinned_fails_where_copies_are_not_pinned(tiny_ckpt
     assert rc == 1 and "FAIL (--require-pinned)" in capsys.readouterr().out
 
 
+def reference_check(root, *extra):
+    return decode_check.main(["--model", str(root / "ckpt"), "--drafter", str(root / "drafter"), "--slots", "12",
+                              "--dtype", "bfloat16", "--device", "cpu", "--threads", "1", "--modes", "ar",
+                              "--prompts", "1", "--prompt-len", "16", "--new-tokens", "3", "--reference", *extra])
+
+
+def test_decode_check_reference_passes_through_the_grouped_path(tiny_ckpt, capsys):
+    assert reference_check(tiny_ckpt[0], "--grouped", "--require-grouped") == 0
+    out = capsys.readouterr().out
+    assert "RESULT reference: pass: slot cache (12 of 128 slots, grouped experts)" in out
+    assert "experts outputs 0.0000 (worst of 16 layer forwards)" in out  # 4 layers x (prefill + 3 steps)
+
+
+def test_decode_check_fails_on_a_wrong_expert_output(tiny_ckpt, capsys, monkeypatch):
+    """Issue 29, 2: one layer's loads bring the next expert's weights (a wrong slot): the gate fails the run."""
+    from specfit.offload.cache import LayerCache
+
+    copy = LayerCache._copy
+
+    def wrong(self, loads, counters, after=(), prefetch=False):
+        return copy(self, [((e + 1) % 128 if self.layer == 1 else e, s) for e, s in loads], counters, after, prefetch)
+
+    monkeypatch.setattr(LayerCache, "_copy", wrong)
+    assert reference_check(tiny_ckpt[0]) == 1
+    out = capsys.readouterr().out
+    assert "RESULT reference: FAIL" in out and "FAIL (--reference): the slot cache's logits or experts" in out
+
+
+def test_decode_check_require_grouped_fails_on_the_gathered_path(tiny_ckpt, capsys):
+    assert reference_check(tiny_ckpt[0], "--require-grouped") == 1  # the CPU chooses the gathered path
+    assert "FAIL (--require-grouped)" in capsys.readouterr().out
+
+
 GPU_CHECK = ["bash", str(BENCHMARKS / "gpu_check.sh")]
 
 
