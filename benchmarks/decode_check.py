@@ -13,8 +13,9 @@ the decode phase, everything it did included.
 
 Each mode starts from empty expert slots, as on a freshly loaded model (nothing resident is inherited from the mode
 before it), then runs one warm-up prompt and the timed prompts, then one more prompt with host syncs counted: on
-CUDA by ``torch.cuda.set_sync_debug_mode("warn")`` (what the driver calls), elsewhere by SpecFit's would-be-sync
-counter (``specfit.evaluation.syncs``). The settings and each mode's row are printed (and ``--json`` rewritten) as
+CUDA by ``torch.cuda.set_sync_debug_mode("warn")`` (what the driver calls) plus the host waits on events, streams
+and the device that it does not report (counted by ``specfit.evaluation.syncs``), elsewhere by SpecFit's would-be-sync
+counter. The settings and each mode's row are printed (and ``--json`` rewritten) as
 soon as they are known, so a run cut short still leaves figures.
 
 Columns: tok/s over the decode phase (prefill excluded), host-to-device expert copies per output token, slot-cache hit
@@ -208,27 +209,32 @@ def run(args, emit=None) -> dict:
 
 
 def sync_counter(rt) -> str:
-    return "cuda sync debug mode" if rt.device.type == "cuda" else "would-be syncs (CPU count)"
+    return "cuda sync debug mode + host waits" if rt.device.type == "cuda" else "would-be syncs (CPU count)"
 
 
 def count_syncs(model, mode: str, prompt: torch.Tensor, new_tokens: int):
     """(host syncs, the call's counters) of one more decode of ``prompt``: on CUDA the warnings of
-    ``set_sync_debug_mode("warn")``, else SpecFit's would-be-sync counter."""
-    if model.specfit.device.type != "cuda":
-        from specfit.evaluation.syncs import WouldBeSyncs
+    ``set_sync_debug_mode("warn")`` plus the host waits it does not see (event, stream and device synchronizes,
+    counted by SpecFit's counter), else SpecFit's would-be-sync counter."""
+    from specfit.evaluation.syncs import WouldBeSyncs
 
+    if model.specfit.device.type != "cuda":
         with WouldBeSyncs() as syncs:
             _, c = generate(model, mode, prompt, new_tokens)
         return syncs.total, c
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None)
+    if mode != "ar":
+        kw["assistant"] = mode
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, WouldBeSyncs() as counter:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _, c = generate(model, mode, prompt, new_tokens)
+            model.generate(prompt, **kw)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(x.message) for x in caught), c
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(x.message) for x in caught) + counter.waits, model.specfit.stats.last_generate.copy()
 
 
 def route_source(model, mode: str) -> str | None:

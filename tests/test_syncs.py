@@ -234,3 +234,17 @@ def test_the_cuda_waits_are_restored_after_counting():
 def test_empty_host_data_is_no_copy():
     assert not counted(lambda: torch.tensor([], device="cpu"))  # transformers' KV cache starts so: no bytes move
     assert counted(lambda: torch.tensor([0], device="cpu")) == {"tensor from host data": 1}
+
+
+def test_waits_are_told_apart_from_the_other_syncs():
+    """The GPU check adds ``waits`` to what CUDA's debug mode reports (it sees the rest, not these)."""
+    from specfit.transfer import host_wait
+
+    with WouldBeSyncs() as syncs:
+        x6.tolist()
+        host_wait(None, "settle")
+        try:
+            torch.cuda.synchronize()
+        except (RuntimeError, AssertionError):
+            pass
+    assert syncs.total == 3 and syncs.waits == 2

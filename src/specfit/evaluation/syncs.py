@@ -135,20 +135,22 @@ class WouldBeSyncs:
         self.total = 0
         self.by_kind: Counter = Counter()
         self.where: Counter = Counter()
+        self.waits = 0  # of total: host waits on events, streams or the device (what CUDA's debug mode cannot see)
         self._depth = 0
         self._modes = (_Functions(self), _Dispatch(self))
         self._saved: list = []
 
     def reset(self) -> None:
-        self.total = 0
+        self.total = self.waits = 0
         self.by_kind.clear()
         self.where.clear()
 
-    def _count(self, kind: str) -> None:
+    def _count(self, kind: str, wait: bool = False) -> None:
         if self._depth:
             return
         self.total += 1
         self.by_kind[kind] += 1
+        self.waits += wait
         if self.sites:
             for frame in reversed(traceback.extract_stack()):
                 if "specfit" in frame.filename and "syncs.py" not in frame.filename:
@@ -168,12 +170,12 @@ class WouldBeSyncs:
         return Inner()
 
     def _wait(self, what: str) -> None:
-        self._count(what)
+        self._count(what, wait=True)
 
     def _wrap_wait(self, original, kind: str):
         def counted(*args, **kwargs):
             if not transfer.in_host_wait():  # host_wait has counted it already
-                self._count(kind)
+                self._count(kind, wait=True)
             return original(*args, **kwargs)
 
         return counted
