@@ -13,8 +13,9 @@ the decode phase, everything it did included.
 
 Each mode starts from empty expert slots, as on a freshly loaded model (nothing resident is inherited from the mode
 before it), then runs one warm-up prompt and the timed prompts, then one more prompt with host syncs counted: on
-CUDA by ``torch.cuda.set_sync_debug_mode("warn")`` (what the driver calls), elsewhere by SpecFit's would-be-sync
-counter (``specfit.evaluation.syncs``). The settings and each mode's row are printed (and ``--json`` rewritten) as
+CUDA by ``torch.cuda.set_sync_debug_mode("warn")`` (what the driver calls) plus the host waits on events, streams
+and the device that it does not report (counted by ``specfit.evaluation.syncs``), elsewhere by SpecFit's would-be-sync
+counter. The settings and each mode's row are printed (and ``--json`` rewritten) as
 soon as they are known, so a run cut short still leaves figures.
 
 Columns: tok/s over the decode phase (prefill excluded), host-to-device expert copies per output token, slot-cache hit
@@ -23,6 +24,15 @@ rate, bandwidth of the copies (bytes over copy-path time), draft nodes verified 
 tokens as AR (with random bf16 weights the logits are nearly flat, so a near-tie broken differently by a batched
 kernel can change a token; in fp32 greedy output must match). ``--require-pinned`` fails the run (exit 1) if any copy
 came from pageable host memory.
+
+``--reference`` is the correctness gate at real shapes, run first: the prefill logits and every step of a greedy
+decode of the first prompt through the slot cache (from empty slots; grouped matmuls over the slots where the device
+runs them: ``--require-grouped`` fails the run otherwise) against an all-resident reference, the same model with every
+expert read straight from its host row (the route oracle's measurement path: no slots, no LRU, gathered ``bmm``),
+teacher-forced on the reference's greedy tokens: every MoE layer's experts output, the prefill logits and each step's
+logits. A gap is max |diff| over the reference row's standard deviation; the run fails (exit 1) if one is over
+``--reference-tol`` (0.25: bf16 rounding moves an experts output by a few hundredths of its spread, a wrong expert by
+about all of it; on the CPU both paths are bit-identical).
 """
 
 from __future__ import annotations
@@ -71,6 +81,85 @@ def fresh_slots(rt) -> None:
         rt.engine.link.reset()
 
 
+def greedy_logits(model, prompt: torch.Tensor, new_tokens: int, tokens: list[int] | None = None):
+    """(prefill logits [P, vocab], greedy steps' logits [new_tokens, vocab], both float32; the tokens fed): greedy on
+    its own logits, or teacher-forced on ``tokens``."""
+    from transformers import DynamicCache
+
+    cache, rows, fed = DynamicCache(config=model.config), [], []
+    with torch.no_grad():
+        prefill = model(prompt, cache=cache, use_cache=True).logits[0].float()  # [P, vocab]
+        logits = prefill[-1]
+        for step in range(new_tokens):
+            fed.append(int(logits.argmax()) if tokens is None else tokens[step])
+            nxt = torch.tensor([[fed[-1]]], device=prompt.device)
+            logits = model(nxt, cache=cache, use_cache=True).logits[0, -1].float()  # [vocab]
+            rows.append(logits)
+    return prefill, torch.stack(rows), fed
+
+
+class ExpertOutputs:
+    """Records every MoE experts module's output [T, H] (float32), in call order, while active."""
+
+    def __init__(self, model):
+        from specfit.offload.experts import ATTR
+
+        self.modules = [m for m in model.modules() if hasattr(m, ATTR)]
+        self.outputs: list[torch.Tensor] = []
+        self.handles = []
+
+    def __enter__(self):
+        self.outputs.clear()
+        self.handles = [m.register_forward_hook(lambda _m, _a, out: self.outputs.append(out.detach().float()))
+                        for m in self.modules]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def gaps(got: torch.Tensor, want: torch.Tensor) -> list[float]:
+    """Per row of [n, d]: max |got - want| over the standard deviation of ``want``'s row."""
+    return ((got - want).abs().amax(dim=1) / want.std(dim=1).clamp_min(1e-6)).tolist()
+
+
+def reference_gap(model, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """The slot cache against the all-resident reference (see ``--reference``): every MoE layer's experts output
+    (each token row, every forward) and the logits of the prefill (every position) and of each greedy step. Gaps are
+    max |diff| over the reference row's standard deviation: a wrong expert moves its rows' experts output by about
+    their whole spread, bf16 rounding by a few hundredths (random weights give nearly flat logits, so the logits'
+    gap is a weak witness of a wrong expert; the experts outputs' gap is the strong one)."""
+    rt = model.specfit
+    record = ExpertOutputs(model)
+    with rt.measurement(), record:  # every expert from its host row: no slots
+        want_p, want, tokens = greedy_logits(model, prompt, new_tokens)
+    want_e = list(record.outputs)
+    fresh_slots(rt)
+    with record:
+        got_p, got, _ = greedy_logits(model, prompt, new_tokens, tokens)
+    got_e = list(record.outputs)
+    if len(got_e) != len(want_e) or not want_e:
+        raise RuntimeError(f"{len(got_e)} experts outputs through the slot cache, {len(want_e)} in the reference")
+    experts_gap = max(max(gaps(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]))) for a, b in zip(got_e, want_e))
+    steps = gaps(got, want)
+    prefill = max(gaps(got_p, want_p))
+    same = int((got.argmax(dim=1) == want.argmax(dim=1)).sum())
+    return dict(experts_gap=experts_gap, step_gaps=steps, prefill_gap=prefill, max_gap=max([experts_gap, prefill] + steps),
+                same_argmax=same, steps=new_tokens, layer_outputs=len(got_e), grouped=bool(rt.grouped_experts),
+                slots=rt.layers[0].cache.num_slots, experts=rt.num_experts)
+
+
+def reference_line(ref: dict, tol: float) -> str:
+    verdict = "pass" if ref["max_gap"] <= tol else "FAIL"
+    return (f"RESULT reference: {verdict}: slot cache ({ref['slots']} of {ref['experts']} slots, "
+            f"{'grouped' if ref['grouped'] else 'gathered'} experts) vs all-resident reference, gaps in standard "
+            f"deviations (tolerance {tol:g}): experts outputs {ref['experts_gap']:.4f} (worst of "
+            f"{ref['layer_outputs']} layer forwards), prefill logits {ref['prefill_gap']:.4f}, worst of "
+            f"{ref['steps']} greedy steps {max(ref['step_gaps']):.4f}; argmax equal at {ref['same_argmax']}/"
+            f"{ref['steps']}")
+
+
 def run(args, emit=None) -> dict:
     """Decode with every mode; ``emit(report)`` is called after loading and after each mode (partial reports)."""
     from specfit.stats import Counters
@@ -87,6 +176,11 @@ def run(args, emit=None) -> dict:
     caught: list[str] = []
     results, outputs = {}, {}
     report = dict(info=_info(args, rt, load_s, caught), results=results)
+    if args.grouped:
+        rt.grouped_experts = True  # CPU studies: the grouped path forced (the device check chooses it at enable)
+    if args.reference:
+        report["reference"] = reference_gap(model, prompts[0], args.new_tokens)
+        print(reference_line(report["reference"], args.reference_tol), flush=True)
     if emit is not None:
         emit(report)
     for mode in args.modes:
@@ -115,27 +209,32 @@ def run(args, emit=None) -> dict:
 
 
 def sync_counter(rt) -> str:
-    return "cuda sync debug mode" if rt.device.type == "cuda" else "would-be syncs (CPU count)"
+    return "cuda sync debug mode + host waits" if rt.device.type == "cuda" else "would-be syncs (CPU count)"
 
 
 def count_syncs(model, mode: str, prompt: torch.Tensor, new_tokens: int):
     """(host syncs, the call's counters) of one more decode of ``prompt``: on CUDA the warnings of
-    ``set_sync_debug_mode("warn")``, else SpecFit's would-be-sync counter."""
-    if model.specfit.device.type != "cuda":
-        from specfit.evaluation.syncs import WouldBeSyncs
+    ``set_sync_debug_mode("warn")`` plus the host waits it does not see (event, stream and device synchronizes,
+    counted by SpecFit's counter), else SpecFit's would-be-sync counter."""
+    from specfit.evaluation.syncs import WouldBeSyncs
 
+    if model.specfit.device.type != "cuda":
         with WouldBeSyncs() as syncs:
             _, c = generate(model, mode, prompt, new_tokens)
         return syncs.total, c
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None)
+    if mode != "ar":
+        kw["assistant"] = mode
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, WouldBeSyncs() as counter:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _, c = generate(model, mode, prompt, new_tokens)
+            model.generate(prompt, **kw)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(x.message) for x in caught), c
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(x.message) for x in caught) + counter.waits, model.specfit.stats.last_generate.copy()
 
 
 def route_source(model, mode: str) -> str | None:
@@ -153,7 +252,7 @@ def _info(args, rt, load_s: float, caught: list[str]) -> dict:
                 dtype=args.dtype, slots=args.slots, experts=rt.num_experts, moe_layers=len(rt.layers),
                 cache_mode=args.cache_mode, prompts=args.prompts, prompt_len=args.prompt_len,
                 new_tokens=args.new_tokens, load_seconds=load_s, pinned_bytes=rt.store.pinned_bytes,
-                expert_bytes=rt.store.weight_bytes, cuda=rt.device.type == "cuda",
+                expert_bytes=rt.store.weight_bytes, cuda=rt.device.type == "cuda", grouped=bool(rt.grouped_experts),
                 cost_model=None if not hasattr(cost, "beta") else dict(  # a path until SpecFit first resolves it
                     beta=cost.beta, intercepts=list(cost.intercepts), source=cost.meta.get("source", args.profile)),
                 warnings=sorted(set(caught)))
@@ -252,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the table and settings here (rewritten after each mode)")
     p.add_argument("--require-pinned", action="store_true",
                    help="exit 1 if the experts are not all pinned or any copy came from pageable memory (CUDA)")
+    p.add_argument("--reference", action="store_true",
+                   help="first check the slot cache's logits against an all-resident reference; exit 1 on a gap")
+    p.add_argument("--reference-tol", type=float, default=0.25, help="largest gap --reference accepts")
+    p.add_argument("--require-grouped", action="store_true",
+                   help="exit 1 unless the experts ran as grouped matmuls over the slots (CUDA, bf16)")
+    p.add_argument("--grouped", action="store_true", help="force the grouped experts path (CPU studies)")
     return p
 
 
@@ -261,6 +366,8 @@ def main(argv=None) -> int:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {MODES}")
+    if args.reference_tol <= 0:
+        raise SystemExit(f"--reference-tol must be positive, got {args.reference_tol}")
     report = run(args, emit=Progress(args.json))
     if report["info"]["cost_model"] is not None:  # known once SpecFit has resolved it
         print(header_lines(report)[1])
@@ -269,6 +376,16 @@ def main(argv=None) -> int:
     failure = pageable_failure(report)
     if args.require_pinned and failure:
         print(f"FAIL (--require-pinned): {failure}")
+        return 1
+    ref = report.get("reference")
+    if ref is not None and ref["max_gap"] > args.reference_tol:
+        print(f"FAIL (--reference): the slot cache's logits or experts outputs are {ref['max_gap']:.4f} standard "
+              f"deviations from the all-resident reference's (tolerance {args.reference_tol:g}): decoding through "
+              f"the offload is wrong")
+        return 1
+    if args.require_grouped and not (ref or {}).get("grouped", report["info"]["grouped"]):
+        print("FAIL (--require-grouped): the experts ran gathered, not as grouped matmuls over the slots (see the "
+              "warning SpecFit printed at enable)")
         return 1
     return 0
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# SpecFit's prepared GPU check, in two parts that each fit 5 minutes of device time (a lent device's 15 minutes, start-up
-# included, leave room to rerun either): one summary per part, one log file per part.
+# SpecFit's prepared GPU check, in two parts that each fit 5 minutes of device time with the machine's start-up (a lent
+# device's 15 minutes then hold both parts in 10 and leave room to rerun either): one summary per part, one log file
+# per part.
 #
 # usage: bash benchmarks/gpu_check.sh [--dry-run] [--part 1|2] [--stages LIST] [OUT_DIR]
 #
@@ -11,13 +12,15 @@
 #   --stages    comma-separated subset of: env,pytest,bandwidth,checkpoint,calibrate,decode (env always runs;
 #               calibrate and decode need checkpoint)
 #   --dry-run   print the settings and the plan with each part's time estimate (the sum of its stage limits plus the
-#               reserve); exits 1 if a part's estimate is over PART_LIMIT seconds; runs nothing
+#               reserve) and its device-minutes with the machine's start-up (STARTUP seconds); exits 1 if a part with
+#               start-up is over PART_LIMIT seconds or both parts are over BOTH_LIMIT; runs nothing
 #   -h, --help  this text
 #
 # Stages, each under its own time limit (and all under the part's budget):
 #   env         package path without network: carried wheels from .whl/ (bash benchmarks/gpu_wheels.sh, run
-#               beforehand where PyPI is reachable) + specfit; versions (transformers >= 5.24), nvidia-smi. If it
-#               fails, only the bandwidth stage (torch alone) still runs
+#               beforehand where PyPI is reachable) + specfit; FAILS unless every package the run imports is there
+#               (REQUIRED) and the torch found has what SpecFit calls (>= 2.6, a grouped matmul); versions
+#               (transformers >= 5.24), nvidia-smi. If it fails, only the bandwidth stage (torch alone) still runs
 #   pytest      SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py: FAILS unless tests ran and none skipped
 #   bandwidth   H2D time of one real-size expert (9,437,184 bytes, bf16) from an arena pinned by ExpertStore
 #               (cudaHostRegister; by hand if specfit does not import), from torch.empty(pin_memory=True), and from
@@ -27,17 +30,23 @@
 #               random weights, + a random EAGLE-3 drafter; written under WORK on local disk and deleted at the end
 #               (KEEP=1 keeps it)
 #   calibrate   specfit calibrate with SLOTS slots, cache modes cached and cleared: beta per expert (the paper,
-#               A100 over PCIe 4.0: 0.211 ms cached, 0.408 ms cleared)
-#   decode      benchmarks/decode_check.py: AR, EAGLE-3 and SpecFit (the route source "auto" resolves to, named in
+#               A100 over PCIe 4.0: 0.211 ms cached, 0.408 ms cleared); FAILS on a poor fit (calibrate's exit 3: no
+#               --force)
+#   decode      benchmarks/decode_check.py --reference: FAILS unless the slot cache (grouped matmuls over SLOTS slots)
+#               gives the all-resident reference's experts outputs and logits within bf16 tolerance (prefill and a
+#               greedy decode); then AR, EAGLE-3 and SpecFit (the route source "auto" resolves to, named in
 #               the row; the cached profile), each from empty slots, tok/s wall clock, and one more decode per mode
-#               under torch.cuda.set_sync_debug_mode("warn"): host syncs per cycle; --require-pinned: FAILS if any
-#               expert copy came from pageable memory
+#               under torch.cuda.set_sync_debug_mode("warn") plus the host waits it does not see (event, stream and
+#               device synchronizes): host syncs per cycle; --require-pinned: FAILS if any expert copy came from
+#               pageable memory
 # Stages print figures as soon as they have them (decode: a row per mode; RESULT lines), so a run cut short by its
 # time limit still yields numbers.
 #
-# Environment: LAYERS (8), SLOTS (48), WORK (/tmp/specfit-gpu-check), PART_LIMIT seconds (300: one part's device
-# time), PYTHON (python3), KEEP (0), CAL_ARGS (extra calibrate arguments: "--max-new-tokens 40"), DECODE_PROMPTS (2),
-# DECODE_TOKENS (24), MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over PCIe 4.0 reached
+# Environment: LAYERS (6), SLOTS (48), WORK (/tmp/specfit-gpu-check), PART_LIMIT seconds (300: one part's device time,
+# start-up included), BOTH_LIMIT (600: both parts), STARTUP seconds (90: a fresh machine's start, "a minute or more"
+# by the device README, plus the working tree's transfer), PYTHON (python3), KEEP (0), CAL_ARGS (extra calibrate
+# arguments: "--max-new-tokens 32"), DECODE_PROMPTS (1), DECODE_TOKENS (16), REQUIRED (the modules the env stage
+# requires), MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over PCIe 4.0 reached
 # 23.1 GB/s). To exercise the plumbing on a CPU machine (one thread: several threads on a busy 2-core machine made
 # tiny decodes ~70x slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12 DECODE_PROMPTS=1
 # DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --part 2 DIR
@@ -79,20 +88,26 @@ cd "$(dirname "$0")/.." || exit 2
 LOG="$OUTDIR/gpu_check${PART:+-part$PART}.log"
 
 PRESET=${PRESET:-qwen3-30b-a3b}
-LAYERS=${LAYERS:-8}
+LAYERS=${LAYERS:-6}
 SLOTS=${SLOTS:-48}
 WORK=${WORK:-/tmp/specfit-gpu-check}
 PART_LIMIT=${PART_LIMIT:-300}
+BOTH_LIMIT=${BOTH_LIMIT:-600}
+STARTUP=${STARTUP:-90}
+# every module the run imports beyond torch (specfit's own needs, the CUDA tests', calibrate's and decode's)
+export REQUIRED=${REQUIRED:-transformers accelerate safetensors huggingface_hub tokenizers numpy scipy regex tqdm platformdirs packaging pytest}
 PY=${PYTHON:-python3}
 KEEP=${KEEP:-0}
-CAL_ARGS=${CAL_ARGS---max-new-tokens 40}
-DECODE_PROMPTS=${DECODE_PROMPTS:-2}
-DECODE_TOKENS=${DECODE_TOKENS:-24}
+CAL_ARGS=${CAL_ARGS---max-new-tokens 32}
+DECODE_PROMPTS=${DECODE_PROMPTS:-1}
+DECODE_TOKENS=${DECODE_TOKENS:-16}
 export MIN_H2D_GBPS=${MIN_H2D_GBPS:-20}
 SITE="$WORK/site"
-# seconds per stage; calibrate runs twice (cached, cleared). Part 1: 40 + 120 + 30; part 2: 40 + 60 + 2 x 55 + 70
-declare -A BUDGET=([env]=40 [pytest]=120 [bandwidth]=30 [checkpoint]=60 [calibrate]=55 [decode]=70)
+# seconds per stage; calibrate runs twice (cached, cleared). Part 1: 30 + 120 + 30; part 2: 30 + 45 + 2 x 35 + 45
+declare -A BUDGET=([env]=30 [pytest]=120 [bandwidth]=30 [checkpoint]=45 [calibrate]=35 [decode]=45)
 RESERVE=10  # seconds kept for cleanup and the summary
+
+minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
 
 estimate() {  # stages... -> seconds: their limits (calibrate twice) plus the reserve
     local total=$RESERVE s
@@ -163,13 +178,26 @@ try:
     import transformers  # runs transformers' own import-time dependency version checks
 except Exception as e:
     sys.exit(f"FAIL: import transformers: {type(e).__name__}: {e}")
-for name in ("transformers", "accelerate", "safetensors", "huggingface_hub", "tokenizers", "numpy", "scipy", "regex"):
+missing = []
+for name in os.environ["REQUIRED"].split():
     try:
         mod = importlib.import_module(name)
-        print(f"  {name:16s} {getattr(mod, '__version__', '?'):12s} {mod.__file__}")
+        print(f"  {name:16s} {str(getattr(mod, '__version__', '?')):12s} {mod.__file__}")
     except Exception as e:
         print(f"  {name:16s} MISSING ({type(e).__name__}: {e})")
+        missing.append(name)
+if missing:
+    sys.exit(f"FAIL: missing on this machine: {', '.join(missing)}. Run `bash benchmarks/gpu_wheels.sh` where PyPI "
+             f"is reachable (it fetches the wheels the image lacks) and carry .whl to this machine.")
 from packaging.version import Version
+base = Version(torch.__version__.split("+")[0])
+if base < Version("2.6"):
+    sys.exit(f"FAIL: torch {torch.__version__} is too old: SpecFit needs >= 2.6 (pyproject.toml)")
+if getattr(torch.nn.functional, "grouped_mm", None) is None and getattr(torch, "_grouped_mm", None) is None:
+    sys.exit(f"FAIL: torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm (specfit/seam.py)")
+print(f"torch {torch.__version__}: >= 2.6, grouped matmul as "
+      f"{'F.grouped_mm' if getattr(torch.nn.functional, 'grouped_mm', None) else 'torch._grouped_mm'}"
+      f"{'' if base.release[:2] == (2, 13) else ' (not the 2.13 the CPU tests run on: the image has its own)'}")
 if Version(transformers.__version__) < Version("5.24"):
     sys.exit(f"FAIL: transformers {transformers.__version__} is too old: SpecFit needs >= 5.24. Run "
              f"`bash benchmarks/gpu_wheels.sh` where PyPI is reachable and carry .whl to this machine.")
@@ -322,8 +350,8 @@ stage_checkpoint() {
 
 calibrate_cmd() {  # mode -> CMD
     CMD=("$PY" -m specfit.cli calibrate --model "$WORK/ckpt" --drafter "$WORK/drafter" --slots "$SLOTS"
-         --cache-mode "$1" --prompts random --num-prompts 4 --probes 40 --repeats 1 --force --dtype bfloat16
-         --out "$OUTDIR/profile-$1.json")  # --force: record the fit's verdict, keep the profile for the decode stage
+         --cache-mode "$1" --prompts random --num-prompts 2 --probes 32 --repeats 1 --dtype bfloat16
+         --out "$OUTDIR/profile-$1.json")  # no --force: a poor fit (exit 3) fails the stage
     read -r -a extra <<<"$CAL_ARGS"
     CMD+=("${extra[@]}")
 }
@@ -332,8 +360,8 @@ decode_cmd() {  # -> CMD
     CMD=("$PY" benchmarks/decode_check.py --model "$WORK/ckpt" --drafter "$WORK/drafter" --slots "$SLOTS")
     if [ -f "$OUTDIR/profile-cached.json" ] || [ "$DRY" = 1 ]; then CMD+=(--profile "$OUTDIR/profile-cached.json"); fi
     CMD+=(--prompts "$DECODE_PROMPTS" --prompt-len 32 --new-tokens "$DECODE_TOKENS" --dtype bfloat16
-          --json "$OUTDIR/decode.json")
-    if [ "${ALLOW_CPU:-0}" != 1 ]; then CMD+=(--require-pinned); fi
+          --json "$OUTDIR/decode.json" --reference)
+    if [ "${ALLOW_CPU:-0}" != 1 ]; then CMD+=(--require-pinned --require-grouped); fi
 }
 
 print_beta() {  # mode paper_ms
@@ -386,14 +414,20 @@ main() {
     echo "settings: PRESET=$PRESET LAYERS=$LAYERS SLOTS=$SLOTS WORK=$WORK part=${PART:-both} TOTAL_BUDGET=${TOTAL_BUDGET}s" \
          "stages=$STAGES log=$LOG"
     if [ "$DRY" = 1 ]; then
-        local over=0 p est
+        local over=0 p est both=0
         for p in 1 2; do
             local stages_var="PART$p"
-            est=$(estimate ${!stages_var})
-            echo "part $p (${!stages_var}): estimate ${est}s of the ${PART_LIMIT}s a part may take:" \
+            est=$(($(estimate ${!stages_var}) + STARTUP))
+            both=$((both + est))
+            echo "part $p (${!stages_var}): estimate ${est}s with ${STARTUP}s of start-up" \
+                 "($(minutes "$est") device-minutes) of the ${PART_LIMIT}s a part may take:" \
                  "$([ "$est" -le "$PART_LIMIT" ] && echo fits || echo OVER)"
             [ "$est" -le "$PART_LIMIT" ] || over=1
         done
+        echo "both parts, one call each: ${both}s ($(minutes "$both") device-minutes) of the ${BOTH_LIMIT}s both may" \
+             "take: $([ "$both" -le "$BOTH_LIMIT" ] && echo fits || echo OVER); a rerun of either then still fits 15" \
+             "device-minutes: $([ $((both + PART_LIMIT)) -le 900 ] && echo yes || echo NO)"
+        [ "$both" -le "$BOTH_LIMIT" ] && [ $((both + PART_LIMIT)) -le 900 ] || over=1
         echo "dry run: the plan (limits in seconds)"
         for s in $ALL_STAGES; do
             wanted "$s" || [ "$s" = env ] || continue

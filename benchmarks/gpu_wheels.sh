@@ -5,7 +5,8 @@
 #
 # The GPU image (Python 3.12, torch 2.11+cu130) ships transformers 5.17; SpecFit needs >= 5.24. Against the image's
 # versions, transformers 5.24.0 needs nothing else new except, possibly, regex >= 2025.10.22 (its import-time version
-# check; the image's regex version is not recorded), so regex is carried too. huggingface-hub (image 1.33.0, needs
+# check; the image's regex version is not recorded), so regex is carried too, and platformdirs (SpecFit's cache
+# folder; not in the image's package list). huggingface-hub (image 1.33.0, needs
 # >= 1.31), tokenizers (0.23.2, needs 0.23.x), safetensors (0.8.0), accelerate (1.15.0), numpy, pyyaml, tqdm, typer
 # and packaging are there. One version of each, --no-deps; .whl/ is added to .git/info/exclude so it is never
 # committed. Override the versions with TRANSFORMERS_VERSION / REGEX_VERSION, the interpreter with PYTHON.
@@ -15,11 +16,12 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.24.0}
 REGEX_VERSION=${REGEX_VERSION:-2026.11.19}
+PLATFORMDIRS_VERSION=${PLATFORMDIRS_VERSION:-4.14.9}
 DEST=.whl
 LIMIT_MB=48  # the device call carries at most 64 MiB: wheels + the working tree
 
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 "$PYTHON" -m pip --version >/dev/null 2>&1 || { echo "gpu_wheels.sh: $PYTHON has no pip; set PYTHON=..." >&2; exit 1; }
@@ -31,7 +33,7 @@ rm -rf "$DEST" && mkdir -p "$DEST"
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d "$DEST" \
-    "transformers==$TRANSFORMERS_VERSION" "regex==$REGEX_VERSION"
+    "transformers==$TRANSFORMERS_VERSION" "regex==$REGEX_VERSION" "platformdirs==$PLATFORMDIRS_VERSION"
 
 ls -l "$DEST"
 total=$(du -cb "$DEST"/*.whl | tail -n1 | cut -f1)

@@ -147,12 +147,45 @@ def test_decode_check_require_pinned_fails_where_copies_are_not_pinned(tiny_ckpt
     assert rc == 1 and "FAIL (--require-pinned)" in capsys.readouterr().out
 
 
+def reference_check(root, *extra):
+    return decode_check.main(["--model", str(root / "ckpt"), "--drafter", str(root / "drafter"), "--slots", "12",
+                              "--dtype", "bfloat16", "--device", "cpu", "--threads", "1", "--modes", "ar",
+                              "--prompts", "1", "--prompt-len", "16", "--new-tokens", "3", "--reference", *extra])
+
+
+def test_decode_check_reference_passes_through_the_grouped_path(tiny_ckpt, capsys):
+    assert reference_check(tiny_ckpt[0], "--grouped", "--require-grouped") == 0
+    out = capsys.readouterr().out
+    assert "RESULT reference: pass: slot cache (12 of 128 slots, grouped experts)" in out
+    assert "experts outputs 0.0000 (worst of 16 layer forwards)" in out  # 4 layers x (prefill + 3 steps)
+
+
+def test_decode_check_fails_on_a_wrong_expert_output(tiny_ckpt, capsys, monkeypatch):
+    """Issue 29, 2: one layer's loads bring the next expert's weights (a wrong slot): the gate fails the run."""
+    from specfit.offload.cache import LayerCache
+
+    copy = LayerCache._copy
+
+    def wrong(self, loads, counters, after=(), prefetch=False):
+        return copy(self, [((e + 1) % 128 if self.layer == 1 else e, s) for e, s in loads], counters, after, prefetch)
+
+    monkeypatch.setattr(LayerCache, "_copy", wrong)
+    assert reference_check(tiny_ckpt[0]) == 1
+    out = capsys.readouterr().out
+    assert "RESULT reference: FAIL" in out and "FAIL (--reference): the slot cache's logits or experts" in out
+
+
+def test_decode_check_require_grouped_fails_on_the_gathered_path(tiny_ckpt, capsys):
+    assert reference_check(tiny_ckpt[0], "--require-grouped") == 1  # the CPU chooses the gathered path
+    assert "FAIL (--require-grouped)" in capsys.readouterr().out
+
+
 GPU_CHECK = ["bash", str(BENCHMARKS / "gpu_check.sh")]
 
 
-def run(args, **env):
+def run(args, timeout=60, **env):
     environ = {k: v for k, v in os.environ.items() if k != "OUT"} | env
-    return subprocess.run(args, capture_output=True, text=True, env=environ, timeout=60)
+    return subprocess.run(args, capture_output=True, text=True, env=environ, timeout=timeout)
 
 
 def test_gpu_check_arguments(tmp_path):
@@ -172,12 +205,17 @@ def test_gpu_check_dry_run_writes_the_plan_to_one_log(tmp_path):
     assert dry.returncode == 0, dry.stderr
     log = (out / "gpu_check.log").read_text()
     assert log == dry.stdout and list(out.iterdir()) == [out / "gpu_check.log"]
-    for expected in ("pytest -m cuda tests/test_cuda.py", "--preset qwen3-30b-a3b --layers 8",
+    for expected in ("pytest -m cuda tests/test_cuda.py", "--preset qwen3-30b-a3b --layers 6",
                      "--slots 48 --cache-mode cached", "--cache-mode cleared", "decode_check.py",
-                     "--profile " + str(out / "profile-cached.json"),
-                     "part 1 (env pytest bandwidth): estimate 200s of the 300s a part may take: fits",
-                     "part 2 (env checkpoint calibrate decode): estimate 290s of the 300s a part may take: fits"):
+                     "--profile " + str(out / "profile-cached.json"), "--reference --require-pinned --require-grouped",
+                     "part 1 (env pytest bandwidth): estimate 280s with 90s of start-up (4.7 device-minutes) of the "
+                     "300s a part may take: fits",
+                     "part 2 (env checkpoint calibrate decode): estimate 290s with 90s of start-up (4.8 device-minutes)"
+                     " of the 300s a part may take: fits",
+                     "both parts, one call each: 570s (9.5 device-minutes) of the 600s both may take: fits; a rerun of "
+                     "either then still fits 15 device-minutes: yes"):
         assert expected in log
+    assert "--force" not in log  # a poor fit fails the calibrate stage
 
 
 @pytest.mark.parametrize("part, stages, absent", [("1", ("pytest -m cuda", "bandwidth 30"), "decode_check.py"),
@@ -191,7 +229,9 @@ def test_gpu_check_parts_plan_their_own_stages(tmp_path, part, stages, absent):
 
 def test_gpu_check_dry_run_fails_when_a_part_would_not_fit(tmp_path):
     dry = run(GPU_CHECK + ["--dry-run", str(tmp_path)], PART_LIMIT="250")  # part 2 needs 290 s
-    assert dry.returncode == 1 and "estimate 290s of the 250s a part may take: OVER" in dry.stdout
+    assert dry.returncode == 1 and "(4.8 device-minutes) of the 250s a part may take: OVER" in dry.stdout
+    slow_start = run(GPU_CHECK + ["--dry-run", str(tmp_path)], STARTUP="150")  # each part fits 300 s, both not 600
+    assert slow_start.returncode == 1 and "of the 600s both may take: OVER" in slow_start.stdout
     assert run(GPU_CHECK + ["--part", "3", str(tmp_path)]).returncode == 2
 
 
@@ -218,3 +258,44 @@ def test_cycle_profile_parts_add_up(tmp_path):
         assert all(v >= 0 for k, v in parts.items() if not k.startswith("other")), (method, parts)
     assert result["ar"]["parts_ms"]["drafter forwards"] == 0 and result["ar"]["tokens_per_cycle"] == 1
     assert (tmp_path / "profile.md").read_text().startswith("Cycle profile")
+
+
+def fake_python(tmp_path, calibrate_exit: int):
+    """A PYTHON for gpu_check.sh that runs the real interpreter, except `-m specfit.cli calibrate`, which prints a
+    poor fit's verdict and exits ``calibrate_exit`` (calibrate's exit status for a poor fit is 3), or 0 with
+    ``--force``, as calibrate does."""
+    script = tmp_path / "python"
+    script.write_text(f"""#!/usr/bin/env bash
+if [ "$1 $2 $3" = "-m specfit.cli calibrate" ]; then
+    echo "fit: poor (R^2 0.1)"
+    case " $* " in *" --force "*) exit 0 ;; esac  # --force installs a poor fit as a pass
+    exit {calibrate_exit}
+fi
+exec {sys.executable} "$@"
+""")
+    script.chmod(0o755)
+    return str(script)
+
+
+CPU_PART2 = dict(ALLOW_CPU="1", PRESET="tiny", LAYERS="4", SLOTS="12", OMP_NUM_THREADS="1", TOTAL_BUDGET="400")
+
+
+def test_gpu_check_env_fails_on_a_missing_package(tmp_path):
+    """Issue 29, 5: a package the run imports that is not on the machine (here: platformdirs, absent from the GPU
+    image) fails the env stage and names the remedy."""
+    shadow = tmp_path / "shadow" / "platformdirs"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('not in this image')\n")
+    res = run(GPU_CHECK + ["--part", "2", "--stages", "env", str(tmp_path / "out")], timeout=300,
+              PYTHONPATH=str(tmp_path / "shadow"), PYTHON=sys.executable, WORK=str(tmp_path / "work"), **CPU_PART2)
+    assert res.returncode != 0, res.stdout[-2000:]
+    assert "platformdirs     MISSING" in res.stdout and "FAIL: missing on this machine: platformdirs" in res.stdout
+    assert "bash benchmarks/gpu_wheels.sh" in res.stdout and "[env] FAIL" in res.stdout
+
+
+def test_gpu_check_calibrate_fails_on_a_poor_fit(tmp_path):
+    """No --force: calibrate's exit 3 (a poor fit) fails the part."""
+    res = run(GPU_CHECK + ["--part", "2", "--stages", "env,checkpoint,calibrate", str(tmp_path / "out")], timeout=400,
+              PYTHON=fake_python(tmp_path, 3), WORK=str(tmp_path / "work"), **CPU_PART2)
+    assert "[env] PASS" in res.stdout and "[checkpoint] PASS" in res.stdout, res.stdout[-3000:]
+    assert "[calibrate-cached] FAIL (exit 3)" in res.stdout and res.returncode != 0

@@ -462,6 +462,39 @@ def test_a_load_over_a_slot_still_being_prefetched_does_not_hold_back_the_others
     assert sorted(log) == [(5, 5), (6, 6)]
 
 
+def late_load_compute(seed=0) -> list:
+    """Slot 0 is being prefetched (stalled). A forward loads 5 into free slot 1 and 6 over slot 0 (a late load),
+    queueing each group's compute as the experts function does; the device then runs with the prefetch stream still
+    stalled. Returns the reads that ran (layer, expert, expert found in its slot) and the group kinds."""
+    device = FakeDevice(seed)
+    store, engine, layers = caches(device, slots=2)
+    cache = layers[0]
+    cache.prefetch([0], Counters())
+    device.stalled.add("prefetch")
+    fetch = cache.start([5, 6], Counters())
+    assert dict(fetch.plan.loads) == {5: 1, 6: 0}
+    log, kinds = [], []
+    for group in cache.ready(fetch):
+        kinds.append(group.kind)
+        for e, slot in zip(group.experts, group.slots):
+            device.compute_call(lambda e=e, slot=slot: log.append((e, expert_of(cache.slots[slot], 0))))
+    device.run(until=lambda: log)  # raises Deadlock if the clean load's compute waits for the prefetch
+    early = list(log)
+    device.stalled.clear()
+    device.run()
+    assert sorted(log) == [(5, 5), (6, 6)] and expert_of(cache.slots[0], 0) == 6  # the late load landed last
+    return early, kinds, [k for k, _, _ in fetch.groups]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_late_load_does_not_hold_back_the_clean_loads_compute(seed):
+    """Issue 29, 4: the late load is its own group, waited for after the clean loads' compute is queued (the
+    compute stream is FIFO: one wait for every load ticket held the clean load's compute behind the prefetch)."""
+    early, kinds, planned = late_load_compute(seed)
+    assert early == [(5, 5)]
+    assert kinds == planned == ["loads", "late"]
+
+
 # --- failures -----------------------------------------------------------------------------------------------------
 class Interrupt(BaseException):
     pass

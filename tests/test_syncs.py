@@ -138,3 +138,113 @@ def test_the_counter_counts_what_would_sync_and_nothing_else():
     with WouldBeSyncs() as syncs:
         a, b, c = to_host(x, x.float(), x > 3)  # several tensors, one transfer
     assert syncs.total == 1 and np.array_equal(b, x.float().numpy()) and c.dtype == np.bool_
+
+
+def counted(fn) -> dict:
+    """The kinds WouldBeSyncs saw while ``fn()`` ran (an exception after the count is fine: a CPU build cannot run a
+    CUDA wait, the counter has seen the call by then)."""
+    with WouldBeSyncs() as syncs:
+        try:
+            fn()
+        except (RuntimeError, TypeError, AttributeError, AssertionError):
+            pass
+    return syncs.by_kind
+
+
+x6 = torch.arange(6)
+OPS = {  # issue 29, 3: each would sync on CUDA (a host read, or an output sized by the data)
+    "masked_select": (lambda: x6.masked_select(x6 > 2), "masked_select"),
+    "unique": (lambda: torch.unique(x6), "unique"),
+    "unique_consecutive": (lambda: torch.unique_consecutive(x6), "unique"),
+    "repeat_interleave": (lambda: torch.repeat_interleave(x6, x6), "repeat_interleave"),
+    "bincount": (lambda: torch.bincount(x6), "bincount"),
+    "histc": (lambda: torch.histc(x6.float()), "histc"),
+    "equal": (lambda: torch.equal(x6, x6), "host read"),
+    "allclose": (lambda: torch.allclose(x6.float(), x6.float()), "host read"),
+    "nonzero": (lambda: x6.nonzero(), "nonzero"),
+    "numpy index": (lambda: x6[np.array([1, 2])], "host-array index"),
+    "list index": (lambda: x6[[1, 2]], "host-array index"),
+    "numpy index, written": (lambda: x6.clone().__setitem__(np.array([1]), 0), "host-array index"),
+    "device synchronize": (lambda: torch.cuda.synchronize(), "device synchronize"),
+    "event synchronize": (lambda: torch.cuda.Event.synchronize(object()), "event synchronize"),
+    "stream synchronize": (lambda: torch.cuda.Stream.synchronize(object()), "stream synchronize"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_each_syncing_op_and_wait_is_seen_once(name):
+    fn, kind = OPS[name]
+    assert counted(fn) == {kind: 1}
+
+
+def test_ops_that_do_not_sync_are_not_counted():
+    assert not counted(lambda: torch.repeat_interleave(x6, x6, output_size=15))  # the size is given
+    assert not counted(lambda: x6.repeat_interleave(2))  # int repeats
+    assert not counted(lambda: x6.index_select(0, torch.tensor([1, 2])))
+
+
+class SlowEvent:
+    """A copy's event that has not fired yet (a CPU stand-in for the staging ring's CUDA event)."""
+
+    waited = 0
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        SlowEvent.waited += 1
+
+    def record(self):
+        pass
+
+
+def test_specfit_host_waits_are_counted_once_on_any_device():
+    """settle (a forward that copied), drain, and the staging ring's wait go through transfer.host_wait; a CPU
+    run reports there the waits CUDA would make."""
+    from specfit.offload.cache import CopyEngine
+    from specfit.stats import Counters
+    from specfit.transfer import host_wait
+
+    engine, counters = CopyEngine(torch.device("cpu")), Counters()
+    with WouldBeSyncs() as syncs:
+        engine.settle(counters)  # nothing copied: no wait
+        engine.copy_batch([(torch.empty(4), torch.ones(4))], counters)
+        engine.settle(counters)  # CUDA waits for the forward's last batch
+        engine.settle(counters)  # settled already
+        engine.drain()
+        host_wait(SlowEvent(), "event")  # a real wait, counted once (not again as an event synchronize)
+    assert dict(syncs.by_kind) == {"settle": 1, "drain": 1, "event": 1}
+    staging = Staging("cpu")
+    staging.pinned = True  # the pinned path, with buffers and events a CPU run can hold
+    staging._buffers = [torch.zeros(8, dtype=torch.int64) for _ in staging._buffers]
+    staging._events = [SlowEvent() for _ in staging._events]
+    SlowEvent.waited = 0
+    with WouldBeSyncs() as syncs:
+        out = staging.to_device([4, 5])
+    assert dict(syncs.by_kind) == {"staging ring wait": 1} and SlowEvent.waited == 1 and out.tolist() == [4, 5]
+
+
+def test_the_cuda_waits_are_restored_after_counting():
+    originals = [torch.cuda.synchronize, torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize]
+    with WouldBeSyncs():
+        assert torch.cuda.synchronize is not originals[0]
+    assert [torch.cuda.synchronize, torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize] == originals
+
+
+def test_empty_host_data_is_no_copy():
+    assert not counted(lambda: torch.tensor([], device="cpu"))  # transformers' KV cache starts so: no bytes move
+    assert counted(lambda: torch.tensor([0], device="cpu")) == {"tensor from host data": 1}
+
+
+def test_waits_are_told_apart_from_the_other_syncs():
+    """The GPU check adds ``waits`` to what CUDA's debug mode reports (it sees the rest, not these)."""
+    from specfit.transfer import host_wait
+
+    with WouldBeSyncs() as syncs:
+        x6.tolist()
+        host_wait(None, "settle")
+        try:
+            torch.cuda.synchronize()
+        except (RuntimeError, AssertionError):
+            pass
+    assert syncs.total == 3 and syncs.waits == 2

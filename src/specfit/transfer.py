@@ -9,6 +9,9 @@ tree positions), so:
   queued on the compute stream before the kernels that read them: the host goes on at once. Several arrays share one
   transfer (``to_device(a, b, c)``).
 - ``to_host`` brings several device tensors to the host in one transfer: one sync instead of one per tensor.
+- ``host_wait`` is the one way SpecFit blocks the host on device work (an event, a stream, the device): each wait is
+  reported to the listening sync counters (``specfit.evaluation.syncs``), and a CPU run reports there the waits the
+  same code makes on CUDA (``host_wait(None, ...)``), so every wait is counted on any device.
 
 On a CPU "device" both are plain tensor/array conversions. The bottom layer: imports nothing of SpecFit's.
 """
@@ -54,8 +57,8 @@ class Staging:
         self._buffers: list[torch.Tensor | None] = [None] * _RING  # pinned int64 [capacity]
         self._events: list = [None] * _RING  # CUDA events: the copy out of each buffer has run
         self._next = 0
+        self._cuda = cuda if cuda is not None else CudaCopies(self.device)  # makes no CUDA call until used
         if self.pinned:  # allocated up front: a decode allocates no pinned memory (unless a transfer outgrows them)
-            self._cuda = cuda if cuda is not None else CudaCopies(self.device)
             self._buffers = [self._cuda.pinned(_CAPACITY) for _ in range(_RING)]
 
     def to_device(self, *arrays) -> tuple[torch.Tensor, ...] | torch.Tensor:
@@ -71,7 +74,7 @@ class Staging:
         self._next = (i + 1) % _RING
         event = self._events[i]
         if event is not None and not event.query():
-            event.synchronize()  # rare: the ring came round before this buffer's copy ran
+            host_wait(event, "staging ring wait")  # rare: the ring came round before this buffer's copy ran
         buf = self._buffers[i]
         if buf is None or buf.numel() < total:
             buf = self._buffers[i] = self._cuda.pinned(max(total, 2 * buf.numel() if buf is not None else 0))
@@ -89,6 +92,37 @@ class Staging:
             out.append(flat[start:start + n].view(a.shape))
             start += n
         return out[0] if len(out) == 1 else tuple(out)
+
+
+_listeners: list = []  # callables taking the wait's name: the sync counters now counting
+_waiting = [0]  # > 0 while host_wait's own synchronize runs (a counter that also wraps torch's waits skips it)
+
+
+def host_wait(waitable, what: str) -> None:
+    """Block the host until ``waitable`` (anything with ``synchronize()``: a CUDA event or stream, the copy engine's
+    streams) is done, and report the wait ``what`` to the listening counters. ``waitable`` None: a CPU run has
+    nothing to wait for where CUDA would wait; only reported."""
+    for listener in list(_listeners):
+        listener(what)
+    if waitable is None:
+        return
+    _waiting[0] += 1
+    try:
+        waitable.synchronize()
+    finally:
+        _waiting[0] -= 1
+
+
+def in_host_wait() -> bool:
+    return _waiting[0] > 0
+
+
+def listen_host_waits(listener, stop: bool = False) -> None:
+    """Start (or ``stop``) calling ``listener(what)`` at every ``host_wait``."""
+    if stop:
+        _listeners.remove(listener)
+    else:
+        _listeners.append(listener)
 
 
 def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
@@ -114,4 +148,4 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     return out
 
 
-__all__ = ["Staging", "CudaCopies", "to_host"]
+__all__ = ["Staging", "CudaCopies", "host_wait", "in_host_wait", "listen_host_waits", "to_host"]

@@ -29,6 +29,7 @@ from typing import Iterator
 import torch
 
 from ..stats import Counters
+from ..transfer import host_wait
 from .link import EmulatedLink
 from .lru import FetchPlan, LRUSlots
 from .store import ExpertStore
@@ -90,10 +91,11 @@ class CopyEngine:
             self.prefetch_stream = streams.new_stream(priority=0)
             self._epoch = streams.event(timing=True)
             self._epoch.record(streams.current())
-            self._epoch.synchronize()  # once, at enable: every batch's time is then read on this one clock
+            host_wait(self._epoch, "copy clock start")  # once, at enable: every batch's time is then read on it
         # (start, end, counters, prefetch) of batches whose time is not read yet
         self._timings: list[tuple[object, object, Counters, bool]] = []
         self._demand_spans: list[tuple[float, float]] = []  # recent demand batches (ms since the epoch)
+        self._host_batches: list[Counters] = []  # CPU: counters that copies were charged to since the last settle
 
     @property
     def on_device(self) -> bool:
@@ -117,6 +119,7 @@ class CopyEngine:
         counters.bytes_copied += sum(src.numel() * src.element_size() for _, src in pairs)
         if self.streams is None:
             tickets = [self._host_copy(dst, src, counters) for dst, src in pairs]
+            self._host_batches.append(counters)
         else:
             tickets = self._device_copies(pairs, counters, prefetch, after)
             if not pinned:
@@ -183,10 +186,16 @@ class CopyEngine:
 
     def settle(self, counters: Counters | None = None) -> None:
         """Add the copy-path time of finished batches to the counters they were issued for; first wait for every
-        batch issued for ``counters`` (a forward's own copies: its last layer cannot finish before they land)."""
+        batch issued for ``counters`` (a forward's own copies: its last layer cannot finish before they land). One
+        host wait when the forward copied (a CPU run reports it too: the same code waits there on CUDA)."""
+        if self.streams is None:
+            if counters is not None and any(c is counters for c in self._host_batches):
+                host_wait(None, "settle")
+            self._host_batches.clear()
+            return
         last = [end for _, end, target, _ in self._timings if target is counters]
         if last:
-            last[-1].synchronize()  # one host wait: a forward's batches share the FIFO demand stream
+            host_wait(last[-1], "settle")  # one host wait: a forward's batches share the FIFO demand stream
         finished = [t[1].query() for t in self._timings]  # once each: an event may land between two queries
         done = [t for t, f in zip(self._timings, finished) if f]
         self._timings = [t for t, f in zip(self._timings, finished) if not f]
@@ -203,9 +212,8 @@ class CopyEngine:
 
     def drain(self) -> None:
         """Wait for all device work (every copy in flight included) and count the time of every batch."""
-        if self.streams is not None:
-            self.streams.synchronize()
-            self.settle()
+        host_wait(self.streams, "drain")  # a CPU run: reported only
+        self.settle()
 
     def close(self) -> None:
         """Wait for every copy in flight (before slots or arenas are freed)."""
@@ -215,9 +223,10 @@ class CopyEngine:
 @dataclass
 class Group:
     """Experts whose weights are ready together, in the order a forward computes them: the hits (resident), then
-    the loads (copied into slots for this forward), then each streamed expert alone (copied through scratch)."""
+    the loads (copied into slots for this forward), then the late loads (copied over slots a prefetch was still
+    filling: they land after it), then each streamed expert alone (copied through scratch)."""
 
-    kind: str  # "hits" | "loads" | "streamed"
+    kind: str  # "hits" | "loads" | "late" | "streamed"
     experts: list[int]
     slots: list[int] | None  # their rows of LayerCache.slots; None: `weights` holds them
     weights: torch.Tensor | None = None  # [n, numel] the streamed expert's scratch buffer
@@ -231,6 +240,11 @@ class Fetch:
     load_tickets: list  # tickets of the loads' copies, in plan.loads order
     scratch_tickets: list  # tickets of the first two streamed experts' copies (issued with the loads)
     counters: Counters  # the forward's counters: copies and waits are charged to them
+    late: frozenset = frozenset()  # slots of the loads that overwrite a prefetch still in flight
+
+    def loads(self, late: bool) -> list[tuple[tuple[int, int], object]]:
+        """((expert, slot), ticket) of the clean loads, or of the ``late`` ones, in plan.loads order."""
+        return [(load, t) for load, t in zip(self.plan.loads, self.load_tickets) if (load[1] in self.late) == late]
 
     @property
     def groups(self) -> list[tuple[str, list[int], list[int] | None]]:
@@ -239,8 +253,10 @@ class Fetch:
         out = []
         if p.hits:
             out.append(("hits", [e for e, _ in p.hits], [s for _, s in p.hits]))
-        if p.loads:
-            out.append(("loads", [e for e, _ in p.loads], [s for _, s in p.loads]))
+        for kind in ("loads", "late"):
+            loads = [load for load, _ in self.loads(kind == "late")]
+            if loads:
+                out.append((kind, [e for e, _ in loads], [s for _, s in loads]))
         out += [("streamed", [e], None) for e in p.streamed]
         return out
 
@@ -291,7 +307,10 @@ class LayerCache:
         """Plan one forward's experts for this layer, count them, and start their copies: the loads, and the first
         two streamed experts (into the scratch ring) right behind them, so the link never idles while the hits
         compute. A load into a slot that a prefetch is still filling goes last, in its own batch, after that
-        prefetch (write after write), so it delays no other copy of the layer."""
+        prefetch (write after write), so it delays no other copy of the layer, and ``ready`` yields it as its own
+        group, so it delays no other load's compute. (It may delay a later layer's copies on the FIFO demand stream
+        only in principle: the next layer's routes reach the host after this layer's compute, the late load's
+        included, has run.)"""
         plan = self.lru.plan(needed, confirmed=False)
         with self._undo_on_failure(plan):
             if self._prefetched:  # wasted: prefetched, but not a hit of this forward (unneeded, or evicted meanwhile)
@@ -309,19 +328,23 @@ class LayerCache:
             scratch = [self._stream_copy(j, e, counters) for j, e in enumerate(plan.streamed[:2])]
             tickets.update(zip(late, self._copy(late, counters, after=[self._pending.pop(s) for _, s in late])))
             self.lru.confirm(e for e, _ in plan.loads)
-        return Fetch(plan, [tickets[load] for load in plan.loads], scratch, counters)
+        return Fetch(plan, [tickets[load] for load in plan.loads], scratch, counters,
+                     frozenset(s for _, s in late))
 
     def ready(self, fetch: Fetch) -> Iterator[Group]:
         """Yield the groups of ``fetch`` as they become ready to compute: the hits (after any prefetch still filling
-        their slots), the loads (after their copies), then each streamed expert (its scratch copy landed; the copy
-        two places later reuses its buffer once the compute reading it is queued)."""
+        their slots), the loads (after their copies), the late loads (after theirs: the compute stream is FIFO, so
+        waiting for them with the other loads would hold those back), then each streamed expert (its scratch copy
+        landed; the copy two places later reuses its buffer once the compute reading it is queued)."""
         plan, counters = fetch.plan, fetch.counters
         if plan.hits:  # a prefetched expert's copy may still be in flight
             self._wait_all([self._pending.pop(slot, None) for _, slot in plan.hits], counters)
             yield Group("hits", [e for e, _ in plan.hits], [s for _, s in plan.hits])
-        if plan.loads:
-            self._wait_all(fetch.load_tickets, counters)
-            yield Group("loads", [e for e, _ in plan.loads], [s for _, s in plan.loads])
+        for kind in ("loads", "late"):
+            loads = fetch.loads(kind == "late")
+            if loads:
+                self._wait_all([t for _, t in loads], counters)
+                yield Group(kind, [e for (e, _), _ in loads], [s for (_, s), _ in loads])
         tickets = list(fetch.scratch_tickets)
         for i, e in enumerate(plan.streamed):
             self.engine.wait(tickets[i], counters)

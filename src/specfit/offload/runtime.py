@@ -30,8 +30,9 @@ class SpecFitRuntime:
         self.stats = Stats()
         self.routes = RouteRecorder(num_layers, store.num_experts)
         self.engine = engine or CopyEngine(self.device, EmulatedLink(config.link) if config.link else None)
-        if self.engine.on_device:  # generate() scopes wait for queued work before reading clocks and counters
-            self.stats.settle = self.engine.drain
+        # generate() scopes wait for queued work before reading clocks and counters (a CPU run only reports the wait
+        # to the sync counters: specfit.transfer.host_wait)
+        self.stats.settle = self.engine.drain
         self.layers = [LayerRuntime(self, i, LayerCache(store, i, config.cache_slots, self.engine))
                        for i in range(num_layers)]
         self.staging = Staging(self.device)  # index lists reach the device without a host sync
