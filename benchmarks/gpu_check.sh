@@ -29,9 +29,10 @@
 #   checkpoint  a synthetic checkpoint with the real Qwen3-30B-A3B per-layer shapes but LAYERS of its 48 layers,
 #               random weights, + a random EAGLE-3 drafter; written under WORK on local disk and deleted at the end
 #               (KEEP=1 keeps it)
-#   calibrate   specfit calibrate with SLOTS slots, cache modes cached and cleared: beta per expert (the paper,
-#               A100 over PCIe 4.0: 0.211 ms cached, 0.408 ms cleared); FAILS on a poor fit (calibrate's exit 3: no
-#               --force)
+#   calibrate   specfit calibrate with SLOTS slots, once: one profile prices every slot count and cache mode
+#               (compute per expert, copy overhead + the link's measured time per copy; the paper's demand-only beta
+#               beside it, A100 over PCIe 4.0: 0.211 ms cached); no route oracle; FAILS on a poor fit (calibrate's
+#               exit 3: no --force)
 #   decode      benchmarks/decode_check.py --reference: FAILS unless the slot cache (grouped matmuls over SLOTS slots)
 #               gives the all-resident reference's experts outputs and logits within bf16 tolerance (prefill and a
 #               greedy decode); then AR, EAGLE-3 and SpecFit (the route source "auto" resolves to, named in
@@ -103,16 +104,17 @@ DECODE_PROMPTS=${DECODE_PROMPTS:-1}
 DECODE_TOKENS=${DECODE_TOKENS:-16}
 export MIN_H2D_GBPS=${MIN_H2D_GBPS:-20}
 SITE="$WORK/site"
-# seconds per stage; calibrate runs twice (cached, cleared). Part 1: 30 + 120 + 30; part 2: 30 + 45 + 2 x 35 + 45
-declare -A BUDGET=([env]=30 [pytest]=120 [bandwidth]=30 [checkpoint]=45 [calibrate]=35 [decode]=45)
+# seconds per stage; calibrate runs once (one profile per machine and model). Part 1: 30 + 120 + 30; part 2:
+# 30 + 45 + 50 + 45
+declare -A BUDGET=([env]=30 [pytest]=120 [bandwidth]=30 [checkpoint]=45 [calibrate]=50 [decode]=45)
 RESERVE=10  # seconds kept for cleanup and the summary
 
 minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
 
-estimate() {  # stages... -> seconds: their limits (calibrate twice) plus the reserve
+estimate() {  # stages... -> seconds: their limits plus the reserve
     local total=$RESERVE s
     for s in "$@"; do
-        total=$((total + BUDGET[$s] * ($([ "$s" = calibrate ] && echo 2 || echo 1))))
+        total=$((total + BUDGET[$s]))
     done
     echo "$total"
 }
@@ -350,7 +352,7 @@ stage_checkpoint() {
 
 calibrate_cmd() {  # mode -> CMD
     CMD=("$PY" -m specfit.cli calibrate --model "$WORK/ckpt" --drafter "$WORK/drafter" --slots "$SLOTS"
-         --cache-mode "$1" --prompts random --num-prompts 2 --probes 32 --repeats 1 --dtype bfloat16
+         --cache-mode "$1" --prompts random --num-prompts 2 --probes 32 --repeats 2 --dtype bfloat16
          --out "$OUTDIR/profile-$1.json")  # no --force: a poor fit (exit 3) fails the stage
     read -r -a extra <<<"$CAL_ARGS"
     CMD+=("${extra[@]}")
@@ -370,7 +372,12 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 beta, r2, n = d["beta"] * 1e3, d.get("r2") or 0.0, d.get("n_records")
 verdict = (d.get("quality") or {}).get("verdict", "unassessed")
-print(f"RESULT beta {sys.argv[2]}: {beta:.4f} ms per expert of demand, R^2 {r2:.3f} over {n} probes, fit {verdict} "
+link = max((d.get("probes") or {}).get("link_seconds") or [0.0])
+copy = (d.get("copy_overhead_s", 0.0) + d.get("link_share", 1.0) * link) * 1e3
+paper = (d.get("paper") or {}).get("beta")
+print(f"RESULT profile: compute {beta:.4f} ms per expert, copy {copy:.4f} ms per expert (the link's own "
+      f"{link * 1e3:.4f} ms, measured from the pinned bandwidth), R^2 {r2:.3f} over {n} probes, fit {verdict}; "
+      f"the paper's demand-only beta here {'n/a' if paper is None else f'{paper * 1e3:.4f}'} ms "
       f"(paper, A100 over PCIe 4.0: {sys.argv[3]} ms)")
 EOF
 }
@@ -436,7 +443,7 @@ main() {
                 pytest) echo "  pytest ${BUDGET[pytest]}: SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py, no skips" ;;
                 bandwidth) echo "  bandwidth ${BUDGET[bandwidth]}: H2D of one 9,437,184-byte expert: registered / pin_memory / pageable" ;;
                 checkpoint) echo "  checkpoint ${BUDGET[checkpoint]}: benchmarks/synthetic_checkpoint.py $WORK/ckpt --preset $PRESET --layers $LAYERS --drafter-out $WORK/drafter" ;;
-                calibrate) for m in cached cleared; do calibrate_cmd $m; echo "  calibrate-$m ${BUDGET[calibrate]}: ${CMD[*]}"; done ;;
+                calibrate) calibrate_cmd cached; echo "  calibrate-cached ${BUDGET[calibrate]}: ${CMD[*]}" ;;
                 decode) decode_cmd; echo "  decode ${BUDGET[decode]}: ${CMD[*]}" ;;
             esac
         done
@@ -463,7 +470,7 @@ main() {
         run_stage checkpoint "${BUDGET[checkpoint]}" bash -c stage_checkpoint && have_ckpt=1
     fi
     if wanted calibrate; then
-        for mode in cached cleared; do
+        for mode in cached; do  # one profile prices every cache mode
             if [ $have_ckpt = 1 ]; then
                 calibrate_cmd "$mode"  # tqdm progress every 10 s, the load line at once
                 run_stage "calibrate-$mode" "${BUDGET[calibrate]}" env -u TQDM_DISABLE TQDM_MININTERVAL=10 "${CMD[@]}" \

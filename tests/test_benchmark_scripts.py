@@ -206,16 +206,17 @@ def test_gpu_check_dry_run_writes_the_plan_to_one_log(tmp_path):
     log = (out / "gpu_check.log").read_text()
     assert log == dry.stdout and list(out.iterdir()) == [out / "gpu_check.log"]
     for expected in ("pytest -m cuda tests/test_cuda.py", "--preset qwen3-30b-a3b --layers 6",
-                     "--slots 48 --cache-mode cached", "--cache-mode cleared", "decode_check.py",
+                     "--slots 48 --cache-mode cached", "decode_check.py",
                      "--profile " + str(out / "profile-cached.json"), "--reference --require-pinned --require-grouped",
                      "part 1 (env pytest bandwidth): estimate 280s with 90s of start-up (4.7 device-minutes) of the "
                      "300s a part may take: fits",
-                     "part 2 (env checkpoint calibrate decode): estimate 290s with 90s of start-up (4.8 device-minutes)"
+                     "part 2 (env checkpoint calibrate decode): estimate 270s with 90s of start-up (4.5 device-minutes)"
                      " of the 300s a part may take: fits",
-                     "both parts, one call each: 570s (9.5 device-minutes) of the 600s both may take: fits; a rerun of "
+                     "both parts, one call each: 550s (9.2 device-minutes) of the 600s both may take: fits; a rerun of "
                      "either then still fits 15 device-minutes: yes"):
         assert expected in log
     assert "--force" not in log  # a poor fit fails the calibrate stage
+    assert "--cache-mode cleared" not in log  # one profile prices every cache mode: calibrate runs once
 
 
 @pytest.mark.parametrize("part, stages, absent", [("1", ("pytest -m cuda", "bandwidth 30"), "decode_check.py"),
