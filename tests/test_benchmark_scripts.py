@@ -229,8 +229,8 @@ def test_gpu_check_parts_plan_their_own_stages(tmp_path, part, stages, absent):
 
 
 def test_gpu_check_dry_run_fails_when_a_part_would_not_fit(tmp_path):
-    dry = run(GPU_CHECK + ["--dry-run", str(tmp_path)], PART_LIMIT="250")  # part 2 needs 290 s
-    assert dry.returncode == 1 and "(4.8 device-minutes) of the 250s a part may take: OVER" in dry.stdout
+    dry = run(GPU_CHECK + ["--dry-run", str(tmp_path)], PART_LIMIT="250")  # part 2 needs 270 s
+    assert dry.returncode == 1 and "(4.5 device-minutes) of the 250s a part may take: OVER" in dry.stdout
     slow_start = run(GPU_CHECK + ["--dry-run", str(tmp_path)], STARTUP="150")  # each part fits 300 s, both not 600
     assert slow_start.returncode == 1 and "of the 600s both may take: OVER" in slow_start.stdout
     assert run(GPU_CHECK + ["--part", "3", str(tmp_path)]).returncode == 2
