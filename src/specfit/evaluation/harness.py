@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..stats import Counters
+from . import oracle  # noqa: F401  registers the "acceptance-oracle" assistant, a method below
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ METHODS = {
     "specfit-cache-aware": Method("SpecFit, cache-aware", "specfit", options=(("cost", "cache-aware"),)),
     # transformers' own prompt-lookup decoding on the same offloaded model: what a user tries first, no drafter
     "prompt-lookup": Method("Prompt lookup (10)", None, generate=(("prompt_lookup_num_tokens", 10),)),
+    # the limit of any subtree rule: verifies the path the target accepts, found by a look-ahead (evaluation/oracle)
+    "acceptance-oracle": Method("Acceptance oracle*", "acceptance-oracle"),
 }
 PAPER_METHODS = ("ar", "eagle3-vanilla", "eagle3", "specfit")
 LABELS = {name: m.label for name, m in METHODS.items()}
