@@ -142,3 +142,40 @@ def test_demo_runs_on_compare_and_says_where_specfit_pays(capsys, monkeypatch):
     assert len(pays) == 1 and "slots" in pays[0] and "link" in pays[0]
     assert "1 CPU thread" in out  # the count the demo set, said
     assert out.count("SpecFit + cache") == 2 and "vs AR" in out
+
+
+def test_compare_reports_what_the_copies_cost_and_both_forecasts(model):
+    from specfit.evaluation import comparison
+
+    result = comparison.run(model, None, PROMPTS[0], ("ar", "eagle3"), max_new_tokens=8, warmup=False)
+    rows = result.rows()
+    for row in rows:
+        c = result.counters[row["method"]]
+        assert c.bytes_copied > 0 and c.copy_wait_seconds > 0  # 4 slots of 8 experts: copies, each a memcpy here
+        assert row["mib_per_token"] == round(c.bytes_copied / 2**20 / c.new_tokens, 2)
+        assert row["copy_wait_share"] == round(c.copy_wait_seconds / c.decode_seconds, 3) > 0
+        assert row["hit_rate"] == round(c.hits / c.demand, 3)
+        assert row["forecast_over_real"] is None  # neither method forecasts its time
+    assert rows[0]["expected_over_committed"] == 1.0  # AR expects its one token a step, and gets it
+    text = result.format("title")
+    head = text.splitlines()[1]
+    for column in ("exp/real", "fcst/real", "copies/tok", "MiB/tok", "copy wait", "hit rate"):
+        assert column in head
+    assert text.splitlines()[3].split()[-5] == "-"  # AR's forecast column: none made
+
+
+def test_compare_prints_the_forecast_of_a_method_that_makes_one():
+    from specfit.evaluation.comparison import Comparison, LEGEND
+    from specfit.evaluation.harness import METHODS
+    from specfit.stats import Counters
+
+    forecast = Counters(cycles=10, tokens_committed=25, expected_tokens=24.0, new_tokens=25, decode_seconds=2.0,
+                        predicted_seconds=1.8, forecast_cycles=10, bytes_copied=25 * 2**21, copy_wait_seconds=0.5)
+    result = Comparison({"specfit": METHODS["specfit"]}, 1, {"specfit": forecast}, {"specfit": 2.5},
+                        {"specfit": []})
+    row = result.rows()[0]
+    assert row["forecast_over_real"] == 0.9 and row["expected_over_committed"] == 0.96
+    assert row["mib_per_token"] == 2.0 and row["copy_wait_share"] == 0.25
+    line = result.format().splitlines()[2].split()
+    assert line[-6:] == ["0.96", "0.90", "0.00", "2.00", "25.0%", "0%"]
+    assert any(entry.startswith("fcst/real:") for entry in LEGEND) and any("MiB/tok" in e for e in LEGEND)

@@ -133,3 +133,74 @@ def test_plot_without_matplotlib_names_the_extra(traced, monkeypatch):
 def test_no_trace_says_how_to_start_one():
     with pytest.raises(ValueError, match=r"start_trace\(\)"):
         trace_rows(Stats().trace)
+
+
+def test_the_forecast_is_summed_per_cycle_and_held_against_the_clock():
+    stats = Stats()
+    scope = stats.begin_generate()
+    scope.prefill_done()
+    for predicted in (0.010, 0.030):  # the cost model's seconds for each cycle it ran
+        scope.cycle(pool=8, verified=3, committed=2, seconds=0.02, measurement=0.0, demand=40, misses=4,
+                    draft_seconds=0.005, expected=2.0, predicted=predicted)
+    scope.end(new_tokens=4)
+    c = stats.last_generate
+    assert c.predicted_seconds == pytest.approx(0.040) and c.forecast_cycles == 2 == c.cycles
+    c.decode_seconds = 0.050  # the clock, set by hand so the ratio is exact
+    assert c.forecast_over_real == pytest.approx(0.8)
+    assert "forecast/real=0.80" in repr(c)
+    assert re.search(r"forecast/real</th><td[^>]*>0\.80<", c._repr_html_())
+    assert c.as_dict()["forecast_over_real"] == pytest.approx(0.8)
+    total = c.copy()
+    total += c  # counters add across calls as the others do
+    assert total.predicted_seconds == pytest.approx(0.080) and total.forecast_over_real == pytest.approx(0.8)
+
+
+def test_no_forecast_means_no_ratio_not_a_zero():
+    stats = Stats()
+    scope = stats.begin_generate()
+    scope.prefill_done()
+    scope.cycle(pool=8, verified=7, committed=3, seconds=0.02, measurement=0.0, demand=40, misses=4,
+                draft_seconds=0.005, expected=2.5)  # EAGLE-3: no predicted=
+    scope.end(new_tokens=3)
+    c = stats.last_generate
+    assert c.predicted_seconds == 0.0 and c.forecast_cycles == 0 and c.forecast_over_real is None
+    assert "forecast" not in repr(c) and "forecast" not in c._repr_html_() and "predicted" not in repr(c)
+    # a span where only some cycles were forecast (AR calls beside SpecFit ones in `total`) shows no ratio either
+    mixed = a_call()
+    mixed.predicted_seconds, mixed.forecast_cycles = 0.5, 10
+    assert mixed.forecast_over_real is None
+    page = Stats(total=mixed, last_generate=a_call())._repr_html_()
+    assert re.search(r"predicted s</th><td[^>]*></td><td[^>]*>0\.500</td>", page) and "forecast/real" not in page
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True, "0.1"])
+def test_a_forecast_that_is_not_seconds_is_refused(bad):
+    scope = Stats().begin_generate()
+    scope.prefill_done()
+    with pytest.raises(ValueError, match=r"predicted= is the cost model's forecast .* seconds.*got"):
+        scope.cycle(pool=1, verified=1, committed=1, seconds=0.01, measurement=0.0, demand=1, misses=0,
+                    draft_seconds=0.0, predicted=bad)
+
+
+def test_the_trace_has_the_forecast_of_each_cycle():
+    stats = Stats()
+    trace = stats.start_trace()
+    scope = stats.begin_generate()
+    scope.prefill_done()
+    for predicted in (0.012, None):
+        scope.cycle(pool=8, verified=3, committed=2, seconds=0.02, measurement=0.0, demand=40, misses=4,
+                    draft_seconds=0.005, predicted=predicted)
+    assert [r["predicted_seconds"] for r in trace.rows()] == [0.012, None]
+    assert [r["seconds"] for r in trace.rows()] == [0.02, 0.02]
+
+
+def test_what_the_copies_cost_per_token_and_in_time():
+    c = a_call()
+    c.bytes_copied, c.copy_wait_seconds = 48 * 3 * 2**20, 0.3  # 3 MiB a token; 0.3 of 1.2 s blocked by copies
+    assert c.mib_copied_per_token == pytest.approx(3.0) and c.copy_wait_share == pytest.approx(0.25)
+    text = repr(c)
+    assert "MiB/token=3.00" in text and "copy_wait=25.0%" in text and "hit_rate=80.0%" in text
+    table = c._repr_html_()
+    assert re.search(r"MiB/token</th><td[^>]*>3\.00<", table) and re.search(r"copy wait</th><td[^>]*>25\.0%<", table)
+    assert "CUDA: issue time only" in table  # the tooltip says what a host clock sees on each device
+    assert Counters().mib_copied_per_token == 0.0 and Counters().copy_wait_share == 0.0

@@ -23,8 +23,8 @@ rows of dicts, a pandas DataFrame, or a plot (see ``Trace``).
 
 Times are wall clock: ``prefill_seconds`` runs from the entry of ``generate()`` to the end of the prompt's forward,
 ``decode_seconds`` from there to the end of decoding, so together they are what a stopwatch around the call reads.
-Measurement-only work done inside the call (the route oracle's extra forwards) is *included* in them and also shown
-on its own, as ``measurement_seconds``.
+Measurement-only work done inside the call (the route oracle's extra forwards, the acceptance oracle's look-ahead)
+is *included* in them and also shown on its own, as ``measurement_seconds``.
 
 Copies are counted where they were issued: a forward's demand copies (bytes and copy-path time) in that forward's
 counters, read when it ends; prefetch copies (issued between forwards) in ``total``, bytes when issued and time when
@@ -35,6 +35,7 @@ bandwidth of the same copies in every scope.
 from __future__ import annotations
 
 import html
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
@@ -51,7 +52,12 @@ class Counters:
       the misses copied through scratch because every slot was taken by the same forward).
     - ``bytes_copied``, ``copy_busy_seconds``: bytes of every expert copy counted here and the copy path's time for
       them (CUDA: copy-stream event time; CPU: memcpy time, or the emulated link's time), so their ratio is the
-      bandwidth. ``copy_wait_seconds``: host wall time blocked by copies.
+      bandwidth. ``copy_wait_seconds``: host wall time blocked by copies. What that is differs by device: on a CPU
+      (compute runs on the host) it is all the time decoding stood still for copies, the memcpy plus, with an
+      emulated link, the sleep until each copy's landing time; on CUDA it is only the host's time *issuing* the
+      copies (microseconds from pinned memory; about the copy itself from pageable memory, see
+      ``pageable_copies``): there compute waits for copies on the device, which no host clock sees, and that wait
+      shows only in ``decode_seconds``. ``copy_wait_share`` (below) inherits this.
     - ``pageable_copies``: CUDA copies from memory that is not pinned (synchronous: a warning sign).
     - ``prefetch_copies``, ``prefetch_bytes``, ``prefetch_wasted``: copies started ahead of a forward (SpecFit's
       ``prefetch=True``), their bytes (also in ``bytes_copied``), and those the next forward did not use.
@@ -65,15 +71,23 @@ class Counters:
     - ``expected_tokens``: the tokens the assistant expected its cycles to commit, summed (SpecFit: its selector's
       winner, in path values; EAGLE-3: ``1 + sum of path probabilities`` of its verified nodes; plain decoding: 1 per
       step), beside ``tokens_committed``: ``expected_over_committed`` is 1.0 when the estimates are right on average.
+    - ``predicted_seconds``: the seconds the cost model predicted for the cycles it ran (the subtree each verified,
+      drafting included), summed, beside ``decode_seconds``; ``forecast_cycles``: the cycles that came with such a
+      prediction (SpecFit's; AR and EAGLE-3 predict none). ``forecast_over_real`` is 1.0 when the time forecast
+      matches the clock.
     - ``prefill_seconds``: wall clock from ``generate()``'s entry to the end of the prompt's forward.
       ``decode_seconds``: wall clock of everything after it; the two add up to a stopwatch around the call.
-      ``measurement_seconds``: the part of ``decode_seconds`` spent on measurement only (the route oracle).
+      ``measurement_seconds``: the part of ``decode_seconds`` spent on measurement only (the route or acceptance
+      oracle).
       ``lock_wait_seconds``: the part of ``prefill_seconds`` spent waiting while another thread's call held this
       model (calls on one model run one at a time).
 
     Derived (properties): ``tokens_per_second`` (decode, wall clock), ``end_to_end_tokens_per_second`` (prefill
     included), ``nodes_per_cycle``, ``tokens_per_cycle``, ``seconds_per_cycle``, ``copies`` (misses + prefetches),
-    ``copies_per_token``, ``hit_rate``, ``copy_bandwidth``, ``tokens_per_second_excluding_measurement``.
+    ``copies_per_token``, ``hit_rate``, ``copy_bandwidth``, ``tokens_per_second_excluding_measurement``,
+    ``expected_over_committed``, ``forecast_over_real`` (None unless every cycle was forecast), and what the copies
+    cost as the offload literature reports it: ``mib_copied_per_token``, ``copy_wait_share`` (the share of decode
+    time blocked by copies: see ``copy_wait_seconds`` for what a host clock sees on each device) and ``hit_rate``.
     ``as_dict()`` gives every field and derived figure; ``repr`` the main figures, rounded.
     """
 
@@ -102,10 +116,12 @@ class Counters:
     nodes_verified: int = 0  # draft nodes in the verified subtree (the root not counted)
     tokens_committed: int = 0  # accepted draft tokens + the bonus token
     expected_tokens: float = 0.0  # the assistant's expected committed tokens per cycle, summed (AR: 1 per step)
+    predicted_seconds: float = 0.0  # the cost model's predicted seconds of each forecast cycle, summed
+    forecast_cycles: int = 0  # cycles that came with a predicted time (SpecFit's; AR and EAGLE-3: none)
     new_tokens: int = 0  # tokens returned by generate (AR too)
     prefill_seconds: float = 0.0  # wall clock from generate()'s entry to the end of the prompt's forward
     decode_seconds: float = 0.0  # wall clock of everything generate() did after the prefill (oracle included)
-    measurement_seconds: float = 0.0  # the part of decode_seconds spent on measurement only (the route oracle)
+    measurement_seconds: float = 0.0  # the part of decode_seconds spent measuring only (the route/acceptance oracle)
     lock_wait_seconds: float = 0.0  # the part of prefill_seconds spent waiting for another thread's call
 
     def __iadd__(self, other: "Counters") -> "Counters":
@@ -153,6 +169,29 @@ class Counters:
         return self.expected_tokens / self.tokens_committed if self.tokens_committed else 0.0
 
     @property
+    def forecast_over_real(self) -> float | None:
+        """Predicted seconds (the cost model's, summed over cycles) over ``decode_seconds``: 1.0 when the time
+        forecast matches the clock, below 1 when the model thinks cycles cheaper than they are. None when not every
+        cycle of the span was forecast (AR, EAGLE-3, or a span mixing them with SpecFit calls): a ratio over part of
+        the cycles against all of the clock would mean nothing."""
+        if not self.forecast_cycles or self.forecast_cycles != self.cycles or not self.decode_seconds:
+            return None
+        return self.predicted_seconds / self.decode_seconds
+
+    @property
+    def mib_copied_per_token(self) -> float:
+        """MiB copied host-to-device per new token (every expert copy: misses and prefetches)."""
+        return self.bytes_copied / 2**20 / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def copy_wait_share(self) -> float:
+        """``copy_wait_seconds / decode_seconds``: the share of decoding the host spent blocked by copies. A CPU
+        (emulated link or not): all of the stall. CUDA: only the host's issue time, so near 0 from pinned memory;
+        the device-side stall is in the decode time, not here. Read it from ``last_generate`` (a decode phase):
+        in ``total`` the prefills' waits are in the numerator too."""
+        return self.copy_wait_seconds / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
     def seconds_per_cycle(self) -> float:
         return self.decode_seconds / self.cycles if self.cycles else 0.0
 
@@ -169,7 +208,7 @@ class Counters:
 
     @property
     def tokens_per_second_excluding_measurement(self) -> float:
-        """The paper's figure: decode tok/s with the route oracle's measurement time taken out. Not what a user
+        """The paper's figure: decode tok/s with the oracles' measurement time taken out. Not what a user
         waits for when the oracle runs; equal to ``tokens_per_second`` when it does not."""
         seconds = self.decode_seconds - self.measurement_seconds
         return self.new_tokens / seconds if seconds > 0 else 0.0
@@ -178,7 +217,8 @@ class Counters:
         out = asdict(self)
         for name in ("copies", "hit_rate", "copy_bandwidth", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle",
                      "seconds_per_cycle", "tokens_per_second", "end_to_end_tokens_per_second",
-                     "tokens_per_second_excluding_measurement", "expected_over_committed"):
+                     "tokens_per_second_excluding_measurement", "expected_over_committed", "forecast_over_real",
+                     "mib_copied_per_token", "copy_wait_share"):
             out[name] = getattr(self, name)
         return out
 
@@ -206,19 +246,30 @@ _FIGURES = (
     ("prefill s", "prefill_seconds", "{:.3f}", "wall clock from generate()'s entry to the end of the prompt's forward",
      "tokens"),
     ("decode s", "decode_seconds", "{:.3f}", "wall clock of the rest of the call", "tokens"),
+    ("predicted s", "predicted_seconds", "{:.3f}",
+     "seconds the cost model predicted for the cycles it forecast (verified subtree and drafting), summed",
+     "predicted"),
     ("cycles", "cycles", "{:d}", "decoding cycles, one target forward each (plain decoding: one per token)", "cycles"),
     ("nodes/cycle", "nodes_per_cycle", "{:.2f}", "draft nodes verified per cycle (the root not counted)", "cycles"),
     ("tokens/cycle", "tokens_per_cycle", "{:.2f}", "tokens committed per cycle: accepted draft tokens + 1 bonus",
      "cycles"),
     ("expected tokens/cycle", None, "{:.2f}", "tokens per cycle the selector expected from the subtrees it chose",
      "expected"),
+    ("forecast/real", "forecast_over_real", "{:.2f}",
+     "predicted s over decode s: 1.00 when the cost model's time forecast matches the clock", "forecast"),
     ("ms/cycle", None, "{:.2f}", "wall clock per cycle of the decode phase", "cycles"),
     ("copies/token", "copies_per_token", "{:.2f}",
      "host-to-device expert copies per new token (slot-cache misses + prefetches)", "tokens"),
     ("copies", "copies", "{:d}", "host-to-device expert copies (slot-cache misses + prefetches)", "forwards"),
     ("hit rate", "hit_rate", "{:.1%}", "share of the experts forwards needed that were already in a slot", "demand"),
+    ("MiB/token", "mib_copied_per_token", "{:.2f}", "MiB copied host-to-device per new token (misses + prefetches)",
+     "copied"),
+    ("copy wait", "copy_wait_share", "{:.1%}",
+     "share of decode s the host was blocked by copies (CPU: all the stall; CUDA: issue time only, the device-side "
+     "wait is in decode s)", "copy wait"),
     ("forwards", "forwards", "{:d}", "target forwards", "always"),
-    ("oracle s", "measurement_seconds", "{:.3f}", "measurement-only time (the route oracle), inside decode s",
+    ("oracle s", "measurement_seconds", "{:.3f}",
+     "measurement-only time (the route or acceptance oracle), inside decode s",
      "measured"),
     ("tok/s excl. oracle", "tokens_per_second_excluding_measurement", "{:.1f}",
      "the paper's figure: decode tok/s with the oracle's time taken out", "measured"),
@@ -233,7 +284,8 @@ _FIGURES = (
 # the figures of the one-line repr, with their labels there
 _SHORT = {"new tokens": "new_tokens", "tok/s": "tok/s", "tok/s end to end": "end_to_end_tok/s", "cycles": "cycles",
           "nodes/cycle": "nodes/cycle", "tokens/cycle": "tokens/cycle", "expected tokens/cycle": "expected_tokens/cycle",
-          "copies/token": "copies/token", "hit rate": "hit_rate", "tok/s excl. oracle": "tok/s_excl_oracle",
+          "forecast/real": "forecast/real", "copies/token": "copies/token", "MiB/token": "MiB/token",
+          "hit rate": "hit_rate", "copy wait": "copy_wait", "tok/s excl. oracle": "tok/s_excl_oracle",
           "pageable copies": "pageable_copies", "copies": "copies", "forwards": "forwards"}
 
 
@@ -246,7 +298,9 @@ def _figures(c: Counters, force: bool = False) -> list[tuple[str, str, str, str]
     shown = {"always": True, "tokens": c.new_tokens > 0, "cycles": c.cycles > 0, "forwards": c.forwards > 0,
              "demand": c.demand > 0, "measured": c.measurement_seconds > 0, "prefetch": c.prefetch_copies > 0,
              "pageable": c.pageable_copies > 0, "expected": bool(getattr(c, "expected_tokens", 0)) and c.cycles > 0,
-             "waited": c.lock_wait_seconds > 0}
+             "waited": c.lock_wait_seconds > 0, "predicted": getattr(c, "forecast_cycles", 0) > 0,
+             "forecast": c.forecast_over_real is not None, "copied": c.bytes_copied > 0 and c.new_tokens > 0,
+             "copy wait": c.copy_wait_seconds > 0 and c.decode_seconds > 0}
     out = []
     for label, attribute, fmt, meaning, when in _FIGURES:
         if not (force or shown[when]):
@@ -257,7 +311,7 @@ def _figures(c: Counters, force: bool = False) -> list[tuple[str, str, str, str]
             value, attribute = c.seconds_per_cycle * 1e3, "seconds_per_cycle * 1000"
         else:
             value = getattr(c, attribute)
-        out.append((label, fmt.format(value), meaning, attribute))
+        out.append((label, "-" if value is None else fmt.format(value), meaning, attribute))
     return out
 
 
@@ -372,7 +426,9 @@ class CycleRecord:
     - ``demand``: distinct experts its verify forward needed, summed over layers; ``misses``: of those, copied to a
       slot (the cycle's expert copies; prefetches are not in it).
     - ``seconds``: the cycle's wall clock; ``draft_seconds`` the part spent drafting and selecting (phases 1-2);
-      ``measurement_seconds`` the part spent on measurement only (the route oracle).
+      ``measurement_seconds`` the part spent on measurement only (the route or acceptance oracle).
+    - ``predicted_seconds``: what the cost model predicted the cycle would take, drafting included, beside
+      ``seconds`` (None: the assistant forecasts no time, as AR and EAGLE-3).
     """
 
     n_nodes: int
@@ -382,7 +438,8 @@ class CycleRecord:
     committed: int
     misses: int
     draft_seconds: float  # the part of `seconds` spent drafting and selecting (phases 1-2)
-    measurement_seconds: float = 0.0  # the part of `seconds` spent on measurement only (the route oracle)
+    measurement_seconds: float = 0.0  # the part of `seconds` spent measuring only (the route/acceptance oracle)
+    predicted_seconds: float | None = None  # the cost model's forecast of `seconds` (None: not forecast)
 
 
 class Trace(list):
@@ -452,6 +509,11 @@ def _pyplot(what: str):
     return plt
 
 
+def _seconds(value) -> bool:
+    """A finite number of seconds >= 0 (bools are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 class GenerateScope:
     """Accounts one ``generate()`` call: prefill counters and wall clock, then the decode phase (cycles, tokens, wall
     clock until ``end``)."""
@@ -479,13 +541,20 @@ class GenerateScope:
             self.stats.settle()
 
     def cycle(self, pool: int, verified: int, committed: int, seconds: float, measurement: float, demand: int,
-              misses: int, draft_seconds: float, expected: float = 0.0) -> None:
+              misses: int, draft_seconds: float, expected: float = 0.0, predicted: float | None = None) -> None:
         """One decoding cycle; ``seconds`` is its wall clock, ``measurement`` the part of it spent measuring,
-        ``expected`` the tokens the assistant expected it to commit."""
+        ``expected`` the tokens the assistant expected it to commit, ``predicted`` the seconds its cost model
+        predicted for it, drafting included (None: the cycle was not forecast, and adds nothing)."""
+        if predicted is not None and not _seconds(predicted):
+            raise ValueError(f"predicted= is the cost model's forecast of the cycle in seconds, a finite number >= 0 "
+                             f"(None: not forecast), got {predicted!r}")
         if self.stats.trace is not None:
             self.stats.trace.append(CycleRecord(verified, demand, seconds, pool, committed, misses, draft_seconds,
-                                                measurement))
+                                                measurement, None if predicted is None else float(predicted)))
         t = self.stats.total
+        if predicted is not None:
+            t.predicted_seconds += float(predicted)
+            t.forecast_cycles += 1
         t.cycles += 1
         t.nodes_drafted += pool
         t.nodes_verified += verified

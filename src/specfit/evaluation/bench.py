@@ -3,16 +3,26 @@
 Rows: AR, EAGLE-3 vanilla (cache cleared before every forward), EAGLE-3 with the cache, SpecFit with the same
 cache, transformers' own prompt-lookup decoding on the same offloaded model. Columns: tok/s of whole generate() calls
 (wall clock, everything included) and of the decode phase, draft nodes verified per cycle, tokens committed per
-cycle, cycle time, expert copies per output token. Workloads: the first 40 CNN/DailyMail test articles
+cycle, cycle time, expert copies and MiB copied per output token, the share of decode time blocked by copies, the
+hit rate, the tokens each method expected against those committed, and SpecFit's time forecast against the clock.
+Workloads: the first 40 CNN/DailyMail test articles
 (summarisation prompt) and the first 80 GSM8K test questions. Sweep: the equivalents of the paper's 48 / 24 / 12 / 0
 slots of 128 (24 / 12 / 6 / none of the embedded model's 64). Regimes: no link cost (SpecFit's overhead) and an
 emulated host link (CPU, labelled as such) whose cost per expert copy follows from the model's structure: a token's
 full expert demand costs 1.4x its compute, as on the paper's A100 (``--link-ms`` sets it). Output: the tables, a
 JSON of every figure, and a PNG of tok/s against slots. The paper's figures are printed apart.
 
-``--map``: the regime map, SpecFit / AR and SpecFit / EAGLE-3 (whole calls, wall clock) over link ratios (none,
-0.5x, 1x, 2x the paper's) and slot counts (6, 12, 24, all 64), a few prompts per cell, drawn as heat maps
-(``regime_map.png``): where speculation pays, and that SpecFit never loses much where it does not.
+The limit: the *acceptance oracle* (``evaluation/oracle.py``, a measurement device, never a default) verifies in
+every cycle exactly the path the target accepts, found by a look-ahead forward outside the offload. Its row is shown
+apart from the others, by its decode tok/s without the look-ahead's time, and every cell says SpecFit's decode tok/s
+as a fraction of it: how close SpecFit's choice of subtree comes to the best any rule can do with this drafter and
+pool.
+
+``--map``: the regime map, SpecFit / the best of AR, EAGLE-3 and prompt lookup (whole calls, wall clock) over link
+ratios (what copying one token's full expert demand costs, as a multiple of that token's compute: 0.5, 1, 1.4 (the
+paper's A100, the default link), 2, 4, 8; 0 for no link) and slot counts (6, 12, 24, all 64), ``--map-prompts``
+prompts of ``--map-tokens`` tokens per cell, drawn as heat maps (``regime_map.png``): where speculation pays, and
+that SpecFit never loses much where it does not.
 
 Acceptance: the SpecFit row logs every drafted child it labels, so the bench also prints the expected calibration
 error of per-node acceptance, the acceptance model's estimates against the raw draft probabilities (the paper's
@@ -23,7 +33,6 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import replace
 import sys
 import time
 from datetime import datetime, timezone
@@ -31,15 +40,13 @@ from pathlib import Path
 
 import torch
 
-from . import reliability
-from .harness import (LABELS, METHODS, PAPER_METHODS, Row, format_table, link_seconds, load_instances,
+from . import regime_map, reliability
+from .oracle import NAME as ORACLE
+from .harness import (LABELS, LEGEND, METHODS, PAPER_METHODS, Row, format_table, link_seconds, load_instances,
                       paper_table, side_by_side)
 
 SLOTS = ("24", "12", "6", "none")
 REGIMES = ("no-link", "emulated")
-MAP_RATIOS = (0.0, 0.5, 1.0, 2.0)  # the emulated link as multiples of the structural default (0: no link)
-MAP_SLOTS = (6, 12, 24, 64)
-MAP_METHODS = ("ar", "eagle3", "specfit", "prompt-lookup")
 MAX_PROMPT_TOKENS = 450
 
 
@@ -66,9 +73,12 @@ def add_arguments(p) -> None:
                    help="also sweep the regime map: link ratios x slot counts, SpecFit / AR and / EAGLE-3 heat maps")
     p.add_argument("--map-only", action="store_true", help="the regime map alone (no main table)")
     p.add_argument("--map-prompts", type=int, default=6, help="prompts per workload in each cell of the regime map")
-    p.add_argument("--map-ratios", nargs="+", type=float, default=list(MAP_RATIOS),
-                   help="link costs of the map, as multiples of the default link (0: no link)")
-    p.add_argument("--map-slots", nargs="+", type=int, default=list(MAP_SLOTS), help="slot counts of the map")
+    p.add_argument("--map-tokens", type=int, default=None,
+                   help="tokens generated per prompt in the regime map (default: --max-new-tokens)")
+    p.add_argument("--map-ratios", nargs="+", type=float, default=list(regime_map.MAP_RATIOS),
+                   help="link costs of the map: copying one token's full expert demand costs this many times its "
+                        "compute (1.4: the paper's A100, the default link; 0: no link)")
+    p.add_argument("--map-slots", nargs="+", type=int, default=list(regime_map.MAP_SLOTS), help="slot counts of the map")
     p.add_argument("--out", default="bench-results", help="folder for results.json and tok_s_vs_slots.png")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--quick", action="store_true", help="4 prompts per workload, 32 new tokens (a smoke run)")
@@ -79,9 +89,10 @@ def main(args) -> int:
 
     torch.set_num_threads(args.threads)
     if args.methods is None:
-        args.methods = list(PAPER_METHODS) + ["prompt-lookup", "specfit-paper", "specfit-oracle"]
+        args.methods = list(PAPER_METHODS) + ["prompt-lookup", "specfit-paper", "specfit-oracle", ORACLE]
     if args.quick:
         args.cnn_prompts, args.gsm8k_prompts, args.max_new_tokens = 4, 4, 32
+    regime_map.check_arguments(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -109,7 +120,8 @@ def main(args) -> int:
     if not args.map_only:
         result.update(_main_table(args, workloads, tokenizer, link, out_dir))
     if args.map or args.map_only:
-        result["map"] = _regime_map(args, workloads, tokenizer, link, out_dir)
+        result["map"] = regime_map.run(args, workloads, link, ratio, out_dir, prepare=lambda model, method: (
+            _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
     result["wall_seconds"] = time.time() - started
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
     print(f"\nresults: {out_dir / 'results.json'}")
@@ -144,6 +156,7 @@ def _main_table(args, workloads, tokenizer, link, out_dir: Path) -> dict:
                         cell.pop("by_depth_rank", None)
                         cells.append(dict(regime=label, slots=slots, workload=w, **cell))
     print(_report(rows, args))
+    print("\n".join(LEGEND))
     calibration = {w: reliability.summary(log) for w, log in logs.items()}
     for w, summary in calibration.items():
         print(reliability.describe(f"[{w}] SpecFit, all cells", summary))
@@ -152,84 +165,38 @@ def _main_table(args, workloads, tokenizer, link, out_dir: Path) -> dict:
     _plot(rows, out_dir / "tok_s_vs_slots.png")
     if logs:
         reliability.plot(logs, out_dir / "reliability.png")
-    return dict(rows=[r.as_dict() for r in rows], acceptance_calibration=dict(workloads=calibration, cells=cells))
+    return dict(rows=[r.as_dict() for r in rows], specfit_over_oracle=oracle_fractions(rows),
+                acceptance_calibration=dict(workloads=calibration, cells=cells))
 
 
-def _regime_map(args, workloads, tokenizer, link, out_dir: Path) -> list[dict]:
-    """SpecFit against AR, EAGLE-3 and prompt lookup in every (link ratio, slots) cell, whole calls, wall clock."""
-    from tqdm.auto import tqdm
-
-    cells = []
-    prompts = {w: p[: args.map_prompts + 1] for w, p in workloads.items()}  # + 1: the untimed first prompt
-    total = len(args.map_ratios) * len(args.map_slots) * sum(len(p) for p in prompts.values())
-    with tqdm(total=total, desc="regime map", unit="prompt") as bar:
-        for ratio in args.map_ratios:
-            for slots in args.map_slots:
-                cell_link = None if ratio <= 0 else replace(
-                    link, seconds_per_expert=link.seconds_per_expert * ratio,
-                    relative=None if link.relative is None else link.relative * ratio)
-                instances, _ = load_instances(MAP_METHODS, slots, cell_link, prepare=lambda model, method: (
-                    _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
-                for w, ids in prompts.items():
-                    runs = side_by_side(instances, ids, args.max_new_tokens, on_prompt=lambda i: bar.update(1))
-                    tok_s = {m: runs.counters[m].new_tokens / runs.seconds[m] for m in MAP_METHODS}
-                    sf = runs.counters["specfit"]
-                    cells.append(dict(link_ratio=ratio, slots=slots, workload=w, prompts=len(ids) - 1, tok_s=tok_s,
-                                      specfit_nodes_per_cycle=sf.nodes_per_cycle,
-                                      specfit_tokens_per_cycle=sf.tokens_per_cycle,
-                                      copies_per_token={m: runs.counters[m].copies_per_token for m in MAP_METHODS}))
-    print(_map_report(cells))
-    _plot_map(cells, out_dir / "regime_map.png")
-    return cells
+def oracle_fractions(rows: list[Row]) -> list[dict]:
+    """Per cell (regime, workload, slots) with both rows: SpecFit's decode tok/s over the acceptance oracle's decode
+    tok/s without its look-ahead (the best any subtree rule can do with this drafter and pool)."""
+    out = []
+    for key in dict.fromkeys((r.regime, r.workload, r.slots) for r in rows):
+        by = {r.method: r for r in rows if (r.regime, r.workload, r.slots) == key}
+        if "specfit" in by and ORACLE in by and by[ORACLE].tok_s_excluding_measurement:
+            limit = by[ORACLE].tok_s_excluding_measurement
+            out.append(dict(regime=key[0], workload=key[1], slots=key[2], specfit_tok_s=by["specfit"].tok_s,
+                            oracle_tok_s_excluding_measurement=limit, fraction=by["specfit"].tok_s / limit))
+    return out
 
 
-def _map_report(cells: list[dict]) -> str:
-    lines = ["\nRegime map (whole generate() calls, wall clock; CPU, emulated link = the ratio x the default):"]
-    for w in sorted({c["workload"] for c in cells}):
-        for base in ("ar", "eagle3", "prompt-lookup"):
-            lines.append(f"[{w}] SpecFit / {LABELS[base]}; rows: link ratio, columns: slots")
-            slots = sorted({c["slots"] for c in cells})
-            lines.append("ratio  " + "".join(f"{s:>8}" for s in slots))
-            for ratio in sorted({c["link_ratio"] for c in cells}):
-                row = []
-                for s in slots:
-                    c = next((c for c in cells if (c["workload"], c["link_ratio"], c["slots"]) == (w, ratio, s)), None)
-                    row.append(f"{c['tok_s']['specfit'] / c['tok_s'][base]:>8.2f}" if c else f"{'-':>8}")
-                lines.append(f"{ratio:<7g}" + "".join(row))
-    return "\n".join(lines)
-
-
-def _plot_map(cells: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'specfit[plot]'): no regime map PNG written")
-        return
-    workloads = sorted({c["workload"] for c in cells})
-    ratios, slots = sorted({c["link_ratio"] for c in cells}), sorted({c["slots"] for c in cells})
-    fig, axes = plt.subplots(len(workloads), 2, figsize=(9, 3.6 * len(workloads)), squeeze=False)
-    for i, w in enumerate(workloads):
-        for j, base in enumerate(("ar", "eagle3")):
-            grid = [[next((c["tok_s"]["specfit"] / c["tok_s"][base] for c in cells
-                           if (c["workload"], c["link_ratio"], c["slots"]) == (w, r, s)), float("nan"))
-                     for s in slots] for r in ratios]
-            ax = axes[i][j]
-            im = ax.imshow(grid, cmap="RdYlGn", vmin=0.6, vmax=1.6, origin="lower", aspect="auto")
-            for a, r in enumerate(ratios):
-                for b, s in enumerate(slots):
-                    ax.text(b, a, f"{grid[a][b]:.2f}", ha="center", va="center", fontsize=8)
-            ax.set_xticks(range(len(slots)), [str(s) for s in slots])
-            ax.set_yticks(range(len(ratios)), ["none" if r == 0 else f"{r:g}x" for r in ratios])
-            ax.set_xlabel("expert slots per layer (of 64)")
-            ax.set_ylabel("link cost (x the paper's ratio)")
-            ax.set_title(f"{w}: SpecFit / {LABELS[base]} (wall clock, CPU)", fontsize=9)
-            fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"regime map: {path}")
+def _oracle_lines(rows: list[Row]) -> list[str]:
+    """The oracle's row of a cell, apart from the others, and SpecFit as a fraction of it."""
+    oracle = next((r for r in rows if r.method == ORACLE), None)
+    if oracle is None:
+        return []
+    lines = [f"{LABELS[ORACLE]:<25}{oracle.tok_s_excluding_measurement:>8.1f} tok/s without its look-ahead "
+             f"({oracle.tok_s:.1f} with it), {oracle.nodes_per_cycle:.2f} nodes/cyc, {oracle.tokens_per_cycle:.2f} "
+             f"tok/cyc, {oracle.copies_per_token:.1f} copies/tok, {oracle.mib_per_token:.2f} MiB/tok"]
+    fraction = oracle_fractions(rows)
+    if fraction:
+        lines.append(f"SpecFit / acceptance oracle (decode tok/s; the oracle's without its look-ahead): "
+                     f"{fraction[0]['fraction']:.0%}")
+    lines.append("* the limit, a measurement device (never a default): every cycle verifies the path the target "
+                 "accepts, found by an extra untracked target forward over the pool, whose time is left out here")
+    return lines
 
 
 def _report(rows: list[Row], args) -> str:
@@ -237,10 +204,12 @@ def _report(rows: list[Row], args) -> str:
     for regime in sorted({r.regime for r in rows}):
         for w in args.workloads:
             for slots in args.slots:
-                sel = [r for r in rows if r.regime == regime and r.workload == w and r.slots == slots]
+                cell = [r for r in rows if r.regime == regime and r.workload == w and r.slots == slots]
+                sel = [r for r in cell if r.method != ORACLE]
                 if sel:
                     parts.append(format_table(sel, f"\n[{w}] slots {slots} of 64, {regime} (CPU"
                                                    f"{', emulated' if regime == 'emulated link' else ''})"))
+                parts += _oracle_lines(cell)
             for base in ("eagle3", "ar", "prompt-lookup", "specfit-paper"):
                 ratios = []
                 for slots in args.slots:
@@ -250,6 +219,11 @@ def _report(rows: list[Row], args) -> str:
                 if ratios:
                     parts.append(f"SpecFit (default routes) / {LABELS[base]}, whole calls, wall clock, [{w}] "
                                  f"{regime}, by slots: " + ", ".join(ratios))
+            limits = [f"{f['slots']}: {f['fraction']:.0%}" for f in oracle_fractions(rows)
+                      if (f["regime"], f["workload"]) == (regime, w)]
+            if limits:
+                parts.append(f"SpecFit / acceptance oracle (decode tok/s, the oracle's without its look-ahead), [{w}] "
+                             f"{regime}, by slots: " + ", ".join(limits))
     return "\n".join(parts)
 
 

@@ -32,7 +32,14 @@ COLUMNS = {
     "nodes_per_cycle": "draft nodes verified per decoding cycle (AR: 0; EAGLE-3: its 7)",
     "tokens_per_cycle": "tokens committed per cycle: accepted draft tokens + 1 bonus (AR: 1)",
     "copies_per_token": "host-to-device expert copies per new token (slot-cache misses + prefetches)",
+    "mib_per_token": "MiB copied host-to-device per new token (every expert copy)",
+    "copy_wait_share": "share of decode time the host was blocked by copies (CPU: all the stall, emulated link "
+                       "included; CUDA: the issue time only, the device-side wait is in the decode time)",
     "hit_rate": "share of the experts forwards needed that were already in a slot",
+    "expected_over_committed": "tokens the assistant expected its cycles to commit over those committed (1.0: right "
+                               "on average; AR: 1)",
+    "forecast_over_real": "seconds the cost model predicted for the cycles over the decode time (1.0: the time "
+                          "forecast matches the clock); None where the method forecasts no time (AR, EAGLE-3)",
     "decode_tok_s": "new tokens per second of the decode phase alone (prefill excluded), from the stats",
     "new_tokens": "tokens generated, summed over the prompts",
     "seconds": "wall clock of the whole generate() calls, summed",
@@ -40,7 +47,8 @@ COLUMNS = {
 }
 
 ROUNDING = {"tok_s": 1, "speedup": 2, "nodes_per_cycle": 2, "tokens_per_cycle": 2, "copies_per_token": 2,
-            "hit_rate": 3, "decode_tok_s": 1, "seconds": 3}
+            "mib_per_token": 2, "copy_wait_share": 3, "hit_rate": 3, "expected_over_committed": 2,
+            "forecast_over_real": 2, "decode_tok_s": 1, "seconds": 3}
 
 
 @dataclass
@@ -61,14 +69,16 @@ class Comparison:
             c, seconds = self.counters[name], self.seconds[name]
             out.append(dict(method=name, label=method.label, tok_s=c.new_tokens / seconds if seconds else 0.0,
                             speedup=0.0, nodes_per_cycle=c.nodes_per_cycle, tokens_per_cycle=c.tokens_per_cycle,
-                            copies_per_token=c.copies_per_token, hit_rate=c.hit_rate,
-                            decode_tok_s=c.tokens_per_second, new_tokens=c.new_tokens, seconds=seconds,
-                            prompts=self.prompts))
+                            copies_per_token=c.copies_per_token, mib_per_token=c.mib_copied_per_token,
+                            copy_wait_share=c.copy_wait_share, hit_rate=c.hit_rate,
+                            expected_over_committed=c.expected_over_committed,
+                            forecast_over_real=c.forecast_over_real, decode_tok_s=c.tokens_per_second,
+                            new_tokens=c.new_tokens, seconds=seconds, prompts=self.prompts))
         base = out[0]["tok_s"] if out else 0.0
         for row in out:
             row["speedup"] = row["tok_s"] / base if base else 0.0
             for name, digits in ROUNDING.items():  # to what a noisy wall clock can tell apart
-                row[name] = round(row[name], digits)
+                row[name] = None if row[name] is None else round(row[name], digits)
         return out
 
     def table(self, as_frame: bool | None = None):
@@ -132,19 +142,28 @@ def run(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_tokens: i
 def format_rows(rows: list[dict], title: str = "") -> str:
     """Rows of ``compare`` as a text table."""
     base = (rows[0]["label"] if len(rows[0]["label"]) <= 10 else rows[0]["method"]) if rows else ""
-    head = (f"{'method':<22}{'tok/s':>8}{'vs ' + base:>14}{'nodes/cyc':>11}{'tok/cyc':>9}{'copies/tok':>12}"
-            f"{'hit rate':>10}")
+    head = (f"{'method':<22}{'tok/s':>8}{'vs ' + base:>14}{'nodes/cyc':>11}{'tok/cyc':>9}{'exp/real':>10}"
+            f"{'fcst/real':>11}{'copies/tok':>12}{'MiB/tok':>9}{'copy wait':>11}{'hit rate':>10}")
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for r in rows:
+        forecast = "-" if r["forecast_over_real"] is None else f"{r['forecast_over_real']:.2f}"
         lines.append(f"{r['label']:<22}{r['tok_s']:>8.1f}{'x%.2f' % r['speedup']:>14}{r['nodes_per_cycle']:>11.2f}"
-                     f"{r['tokens_per_cycle']:>9.2f}{r['copies_per_token']:>12.2f}{r['hit_rate']:>10.0%}")
+                     f"{r['tokens_per_cycle']:>9.2f}{r['expected_over_committed']:>10.2f}{forecast:>11}"
+                     f"{r['copies_per_token']:>12.2f}{r['mib_per_token']:>9.2f}{r['copy_wait_share']:>11.1%}"
+                     f"{r['hit_rate']:>10.0%}")
     return "\n".join(lines)
 
 
 LEGEND = ("tok/s: new tokens per second, wall clock of the whole generate() calls (what a stopwatch reads)",
           "nodes/cyc: draft nodes verified per decoding cycle (EAGLE-3 verifies its 7)",
           "tok/cyc: tokens committed per cycle (accepted draft tokens + 1 bonus token; AR: 1)",
-          "copies/tok: host-to-device expert copies per new token (slot-cache misses + prefetches)",
+          "exp/real: tokens the method expected its cycles to commit over those committed (1.00: right on average)",
+          "fcst/real: seconds SpecFit's cost model predicted for its cycles over the decode time (1.00: the forecast "
+          "matches the clock; -: the method forecasts no time)",
+          "copies/tok: host-to-device expert copies per new token (slot-cache misses + prefetches); MiB/tok: their "
+          "MiB per token",
+          "copy wait: share of decode time the host was blocked by copies (on a CPU, emulated link included: all of "
+          "the stall; on CUDA only the issue time, the device-side wait shows in tok/s)",
           "hit rate: share of the experts the forwards needed that were already in a slot")
 
 

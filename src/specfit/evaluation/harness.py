@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..stats import Counters
+from . import oracle  # noqa: F401  registers the "acceptance-oracle" assistant, a method below
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ METHODS = {
     "specfit-paper-cost": Method("SpecFit, paper cost", "specfit", options=(("cost", "paper"),)),
     # transformers' own prompt-lookup decoding on the same offloaded model: what a user tries first, no drafter
     "prompt-lookup": Method("Prompt lookup (10)", None, generate=(("prompt_lookup_num_tokens", 10),)),
+    # the limit of any subtree rule: verifies the path the target accepts, found by a look-ahead (evaluation/oracle)
+    "acceptance-oracle": Method("Acceptance oracle*", "acceptance-oracle"),
 }
 PAPER_METHODS = ("ar", "eagle3-vanilla", "eagle3", "specfit")
 LABELS = {name: m.label for name, m in METHODS.items()}
@@ -89,6 +92,9 @@ class Row:
     end_to_end_tok_s: float  # prefill included
     expected_over_committed: float = 0.0  # the assistant's expected committed tokens / the tokens committed
     call_tok_s: float = 0.0  # new tokens over the wall clock of the whole generate() calls (what a stopwatch reads)
+    forecast_over_real: float | None = None  # the cost model's predicted seconds / decode seconds (None: no forecast)
+    mib_per_token: float = 0.0  # MiB copied host-to-device per new token
+    copy_wait_share: float = 0.0  # share of decode time the host was blocked by copies (see Counters.copy_wait_share)
 
     @classmethod
     def of(cls, method, workload, slots, regime, prompts, c: Counters, call_seconds: float = 0.0) -> "Row":
@@ -97,7 +103,8 @@ class Row:
                    c.tokens_per_cycle, c.seconds_per_cycle * 1e3, c.copies_per_token, c.hit_rate,
                    per_token(c.prefetch_copies), per_token(c.prefetch_wasted), c.measurement_seconds,
                    c.tokens_per_second_excluding_measurement, c.prefill_seconds, c.end_to_end_tokens_per_second,
-                   c.expected_over_committed, c.new_tokens / call_seconds if call_seconds else 0.0)
+                   c.expected_over_committed, c.new_tokens / call_seconds if call_seconds else 0.0,
+                   c.forecast_over_real, c.mib_copied_per_token, c.copy_wait_share)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -221,19 +228,25 @@ LEGEND = ("call tok/s: new tokens per second of whole generate() calls, wall clo
           "cycle ms: wall clock per cycle (AR: per token)",
           "copies/tok: host-to-device expert copies per new token (slot-cache misses + prefetches)",
           "exp/real: tokens the assistant expected its cycles to commit over those committed (EAGLE-3: its path "
-          "probabilities; SpecFit: its selector's expected tokens; 1.00 is right on average)")
+          "probabilities; SpecFit: its selector's expected tokens; 1.00 is right on average)",
+          "fcst/real: seconds SpecFit's cost model predicted for its cycles over the decode time (1.00: the time "
+          "forecast matches the clock; -: the method forecasts no time)",
+          "MiB/tok: MiB copied host-to-device per new token; hit rate: experts needed that were already in a slot",
+          "copy wait: share of decode time the host was blocked by copies (CPU, emulated link included: the whole "
+          "stall; CUDA: the issue time only, the device-side wait is in tok/s)")
 
 
 def format_table(rows: list[Row], title: str) -> str:
     measured = any(r.measurement_s > 0 for r in rows)
     head = (f"{'method':<25}{'call tok/s':>11}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}"
-            f"{'copies/tok':>12}{'exp/real':>10}")
+            f"{'copies/tok':>12}{'MiB/tok':>9}{'copy wait':>11}{'hit rate':>10}{'exp/real':>10}{'fcst/real':>11}")
     head += f"{'tok/s excl. oracle*':>21}" if measured else ""
     lines = [title, head, "-" * len(head)]
     for r in rows:
         line = (f"{LABELS[r.method]:<25}{r.call_tok_s:>11.1f}{r.tok_s:>8.1f}{r.nodes_per_cycle:>11.2f}"
-                f"{r.tokens_per_cycle:>9.2f}{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}"
-                f"{r.expected_over_committed:>10.2f}")
+                f"{r.tokens_per_cycle:>9.2f}{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}{r.mib_per_token:>9.2f}"
+                f"{r.copy_wait_share:>11.1%}{r.hit_rate:>10.1%}{r.expected_over_committed:>10.2f}"
+                f"{'-' if r.forecast_over_real is None else f'{r.forecast_over_real:.2f}':>11}")
         if measured:
             line += f"{r.tok_s_excluding_measurement:>21.1f}" if r.measurement_s > 0 else f"{'':>21}"
         lines.append(line)
