@@ -202,3 +202,23 @@ def test_specfit_charges_exactly_the_levels_it_has_drafted():
         assert at.draft_level_seconds == levels[:depth]
         assert at.intercepts == pytest.approx([a - sum(levels[depth:]) for a in cost.intercepts])
         assert at.copy == gen.cost.copy and at.beta == cost.beta
+
+
+def test_the_forecast_of_every_specfit_cycle_is_in_the_stats():
+    """SpecFit forecasts every cycle it runs (drafted ones: the winner's predicted time at the levels drafted; the
+    ones that skip drafting: a root-only step), so the stats hold the forecast beside the clock; AR and EAGLE-3 make
+    none."""
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=5, drafter=SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3),
+                   cost_model=COST)
+    model.specfit.stats.start_trace()
+    model.generate(PROMPT, max_new_tokens=24, do_sample=False, assistant="specfit")
+    g = model.specfit.stats.last_generate
+    rows = model.specfit.stats.trace.rows()
+    assert g.forecast_cycles == g.cycles == len(rows) > 0
+    assert g.predicted_seconds == pytest.approx(sum(r["predicted_seconds"] for r in rows))
+    assert all(r["predicted_seconds"] >= COST.intercepts[0] - sum(COST.draft_level_seconds) for r in rows)
+    assert g.forecast_over_real == pytest.approx(g.predicted_seconds / g.decode_seconds)
+    for assistant in (None, "eagle3"):
+        model.generate(PROMPT, max_new_tokens=8, do_sample=False, assistant=assistant)
+        assert model.specfit.stats.last_generate.forecast_over_real is None
