@@ -3,7 +3,9 @@
 ``enable`` moves every routed expert into the host ``ExpertStore`` (releasing the model's own 3-D expert
 parameters: no second copy anywhere), gives each MoE layer a slot cache on the compute device, selects the
 ``"specfit"`` experts implementation, hooks the forward for route recording and counters, and mixes SpecFit's
-generation strategy into the model's class. ``disable`` undoes each step, so outputs are bit-identical to before.
+generation strategy into the model's class. While enabled, ``state_dict``/``save_pretrained``/``load_state_dict`` see
+the experts in the store (``offload/checkpoint.py``) and moves or casts of the model are refused at the call
+(``offload/moves.py``). ``disable`` undoes each step, so outputs are bit-identical to before.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .decoding.options import DecodingOptions
 from .decoding.strategy import install_generation_strategy, remove_generation_strategy
 from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
+from .offload import checkpoint, moves
 from .offload.config import OffloadConfig
 from .offload.experts import ATTR, specfit_experts_forward
 from .offload.link import LinkConfig
@@ -95,7 +98,8 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
                                f"them. Call specfit.disable(model) first, then change it")
 
     _serialize_forward(base, runtime, check_experts_implementation)  # one forward at a time, from any thread
-    hooks = []
+    hooks = checkpoint.install(model, runtime)  # state_dict / save_pretrained / load_state_dict see the experts
+    moves.install(model, runtime)  # .to(dtype) / .half() / .cuda() ... refused at the call
     original_class = install_generation_strategy(model)
     runtime._restore = dict(previous_impl=previous_impl, hooks=hooks, original_class=original_class,
                             param_device=param_device, param_dtype=param_dtype, requires_grad=requires_grad)
@@ -124,6 +128,8 @@ def _disable(model: nn.Module, runtime) -> nn.Module:
     r = runtime._restore
     for handle in r["hooks"]:
         handle.remove()
+    checkpoint.remove(model)
+    moves.remove(model)
     vars(model.model).pop("forward", None)  # the serialized forward: the class's own is back
     remove_generation_strategy(model, r["original_class"])
     seam.set_experts_implementation(model, r["previous_impl"])
