@@ -30,7 +30,8 @@ from .offload.link import LinkConfig
 from .offload.loader import load_offloaded
 from .offload.runtime import SpecFitRuntime
 from .offload.store import ExpertStore
-from .selection.acceptance_model import FILENAME as ACCEPTANCE_FILE, AcceptanceTables
+from .selection.acceptance_cache import tables_path
+from .selection.acceptance_model import AcceptanceTables
 from .selection.profiles import check_profile_options, checked_cost_model
 from .selection.route_predictor import CONFIG, RoutePredictor
 from .selection.route_sources import choose_route_source
@@ -319,9 +320,10 @@ def _check_options(model, options: DecodingOptions) -> None:
 
 
 def set_drafter(model, drafter) -> None:
-    """Attach an EAGLE-3 drafter (module, or checkpoint folder checked against the target at load). A folder's
-    ``acceptance.json`` (the acceptance model's tables, fitted for this drafter) is loaded with it; without one, or
-    for a module, SpecFit starts from the default prior (``AcceptanceTables.default()``)."""
+    """Attach an EAGLE-3 drafter (module, or checkpoint folder checked against the target at load). The acceptance
+    model's tables fitted for a folder's drafter are loaded with it: those ``specfit calibrate --acceptance-only``
+    wrote to the user cache for it, else the folder's own ``acceptance.json`` (``selection/acceptance_cache.py``);
+    without either, or for a module, SpecFit starts from the default prior (``AcceptanceTables.default()``)."""
     runtime = model.specfit
     seam.check_layer_types(model)  # assistants need KV-attention layers: refuse hybrids before any work
     if runtime.aux_capture is not None:
@@ -332,8 +334,9 @@ def set_drafter(model, drafter) -> None:
         drafter = load_drafter(folder, target=model)
         if (folder / CONFIG).is_file():  # a route predictor saved beside the drafter
             runtime.route_predictor = RoutePredictor.load(folder, model)
-        if (folder / ACCEPTANCE_FILE).is_file():  # the acceptance model's tables for this drafter
-            tables = AcceptanceTables.load(folder / ACCEPTANCE_FILE)
+        path = tables_path(folder) if folder.is_dir() else None  # the user cache's tables first, else the folder's
+        if path is not None:
+            tables = AcceptanceTables.load(path)
     runtime.acceptance_tables, runtime.acceptance_models = tables, {}
     weight = model.get_input_embeddings().weight
     drafter.to(device=runtime.device, dtype=weight.dtype)
