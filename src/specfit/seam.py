@@ -375,7 +375,8 @@ def router_rule(moe: MoELayer) -> RouterRule:
         return RouterRule(weight, None, top_k, "softmax",
                           router.moe_statics.e_score_correction_bias.detach().reshape(-1))
     raise ValueError(f"route_source='gate' does not know how {name} selects experts, so it cannot reproduce its "
-                     f"routes; use route_source='oracle', or train a predictor (`specfit train-router`)")
+                     f"routes; use route_source='oracle', or train a predictor (`specfit train-router --model MODEL --drafter DRAFTER_FOLDER`, the checkpoint and "
+                     f"drafter folder you enable with) and pass route_predictor=FOLDER")
 
 
 def experts_implementation(model) -> str | None:
