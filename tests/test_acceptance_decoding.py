@@ -184,8 +184,11 @@ def test_acceptance_option_is_checked():
     assert configure(model, acceptance="paper").acceptance == "paper"
 
 
-def test_tables_beside_the_drafter_are_loaded_else_the_default(tmp_path):
+def test_tables_beside_the_drafter_are_loaded_else_the_default(tmp_path, monkeypatch):
     from specfit import embedded
+    from specfit.selection.acceptance_cache import user_tables_path
+
+    monkeypatch.setenv("SPECFIT_CACHE", str(tmp_path / "cache"))  # no tables calibrated on this machine leak in
 
     if not embedded.available():
         pytest.skip("the embedded model is not installed")
@@ -202,6 +205,12 @@ def test_tables_beside_the_drafter_are_loaded_else_the_default(tmp_path):
     mine.save(folder / FILENAME)
     set_drafter(model, folder)
     assert model.specfit.acceptance_tables.meta == {"source": "test"}
+    # tables calibrated for this drafter (in the user cache, under its content) are read before the folder's own
+    calibrated = AcceptanceTables(AcceptanceTable.fit([(1, 1, 0.5, 0.0)]), AcceptanceTable(), {"source": "cache"})
+    user_tables_path(folder).parent.mkdir(parents=True)
+    calibrated.save(user_tables_path(folder))
+    set_drafter(model, folder)
+    assert model.specfit.acceptance_tables.meta == {"source": "cache"}
 
 
 def test_fit_tables_from_the_eagle3_assistant():

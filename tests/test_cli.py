@@ -46,7 +46,7 @@ def test_every_option_has_help_and_shows_its_default(capsys, name):
     for action in parser._actions:
         assert action.help, f"specfit {name} {action.option_strings}: no help"
     code, out, _ = run(capsys, name, "--help")
-    assert code == 0 and "terms:" in out
+    assert code == 0 and "terms:" not in out and "under `specfit --help`" in out  # the glossary once, there
     for action in parser._actions:
         if action.option_strings and action.default not in (None, False) and action.dest != "help":
             text = " ".join(out.split())
@@ -56,7 +56,7 @@ def test_every_option_has_help_and_shows_its_default(capsys, name):
 
 def test_demo_help_shows_numbers(capsys):
     code, out, _ = run(capsys, "demo", "--help")
-    assert "(default: 64)" in " ".join(out.split())
+    assert "(default: 32)" in " ".join(out.split()) and "--prompt TEXT" in out
 
 
 def test_a_refusal_is_one_line_not_a_traceback(capsys):
@@ -161,3 +161,35 @@ def test_the_user_cache_is_the_platforms(monkeypatch, tmp_path):
     assert cache_root() == tmp_path / "specfit"
     monkeypatch.setenv("SPECFIT_CACHE", str(tmp_path / "mine"))
     assert cache_root() == tmp_path / "mine"
+
+
+def test_demo_options_are_checked_before_anything_loads(capsys, monkeypatch):
+    from specfit.evaluation import demo, harness
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the demo loaded a model before checking its options")
+
+    monkeypatch.setattr(harness, "load_instances", refuse)
+    monkeypatch.setattr(demo, "load_instances", refuse)
+    monkeypatch.setattr(demo, "link_seconds", refuse)  # measuring the default link loads the model too
+    for argv, message in ((["--slots", "100"], "--slots must be in 1..64"), (["--slots", "0"], "1..64"),
+                          (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+                          (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+                          (["--link-ms", "-1"], "--link-ms must be a finite number"),
+                          (["--prompt", " "], "--prompt needs a non-empty TEXT")):
+        code, _, err = run(capsys, "demo", *argv)
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+
+
+def test_demo_without_data_says_so_once_naming_both_places(monkeypatch):
+    from argparse import Namespace
+
+    from specfit.evaluation import demo
+
+    monkeypatch.setattr(datasets, "data_dir", lambda: None)  # no local folder; the hub is offline in the tests
+    texts, note = demo.workload_prompts(Namespace(prompt=None, num_prompts=4))
+    assert [len(v) for v in texts.values()] == [4, 4]  # as many built-in prompts as the default asks for
+    assert "$SPECFIT_DATA_DIR" in note and "shared/data" in note and "hub" in note
+    assert note.count("Get the data") == 1
+    texts, note = demo.workload_prompts(Namespace(prompt=["My own prompt"], num_prompts=4))
+    assert texts == {"your prompt": ["My own prompt"]} and note is None

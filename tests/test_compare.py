@@ -135,7 +135,7 @@ def test_demo_runs_on_compare_and_says_where_specfit_pays(capsys, monkeypatch):
     ran = []
     original = comparison.run
     monkeypatch.setattr(comparison, "run", lambda *a, **k: ran.append(a[3]) or original(*a, **k))
-    assert cli.main(["demo", "--prompts", "1", "--max-new-tokens", "4"]) == 0
+    assert cli.main(["demo", "--num-prompts", "2", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert ran == [("ar", "eagle3", "specfit")] * 2  # both workloads measured by compare's code
     pays = [line for line in out.splitlines() if line.startswith("Where SpecFit pays")]

@@ -3,7 +3,9 @@
 ``enable`` moves every routed expert into the host ``ExpertStore`` (releasing the model's own 3-D expert
 parameters: no second copy anywhere), gives each MoE layer a slot cache on the compute device, selects the
 ``"specfit"`` experts implementation, hooks the forward for route recording and counters, and mixes SpecFit's
-generation strategy into the model's class. ``disable`` undoes each step, so outputs are bit-identical to before.
+generation strategy into the model's class. While enabled, ``state_dict``/``save_pretrained``/``load_state_dict`` see
+the experts in the store (``offload/checkpoint.py``) and moves or casts of the model are refused at the call
+(``offload/moves.py``). ``disable`` undoes each step, so outputs are bit-identical to before.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from .decoding.options import DecodingOptions
 from .decoding.strategy import install_generation_strategy, remove_generation_strategy
 from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
+from .offload import checkpoint, moves
 from .offload.config import OffloadConfig
 from .offload.experts import ATTR, specfit_experts_forward
 from .offload.link import LinkConfig
 from .offload.loader import load_offloaded
 from .offload.runtime import SpecFitRuntime
 from .offload.store import ExpertStore
-from .selection.acceptance_model import FILENAME as ACCEPTANCE_FILE, AcceptanceTables
+from .selection.acceptance_cache import tables_path
+from .selection.acceptance_model import AcceptanceTables
 from .selection.profiles import check_profile_options, checked_cost_model
 from .selection.route_predictor import CONFIG, RoutePredictor
 from .selection.route_sources import choose_route_source
@@ -95,7 +99,8 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
                                f"them. Call specfit.disable(model) first, then change it")
 
     _serialize_forward(base, runtime, check_experts_implementation)  # one forward at a time, from any thread
-    hooks = []
+    hooks = checkpoint.install(model, runtime)  # state_dict / save_pretrained / load_state_dict see the experts
+    moves.install(model, runtime)  # .to(dtype) / .half() / .cuda() ... refused at the call
     original_class = install_generation_strategy(model)
     runtime._restore = dict(previous_impl=previous_impl, hooks=hooks, original_class=original_class,
                             param_device=param_device, param_dtype=param_dtype, requires_grad=requires_grad)
@@ -124,6 +129,8 @@ def _disable(model: nn.Module, runtime) -> nn.Module:
     r = runtime._restore
     for handle in r["hooks"]:
         handle.remove()
+    checkpoint.remove(model)
+    moves.remove(model)
     vars(model.model).pop("forward", None)  # the serialized forward: the class's own is back
     remove_generation_strategy(model, r["original_class"])
     seam.set_experts_implementation(model, r["previous_impl"])
@@ -313,9 +320,10 @@ def _check_options(model, options: DecodingOptions) -> None:
 
 
 def set_drafter(model, drafter) -> None:
-    """Attach an EAGLE-3 drafter (module, or checkpoint folder checked against the target at load). A folder's
-    ``acceptance.json`` (the acceptance model's tables, fitted for this drafter) is loaded with it; without one, or
-    for a module, SpecFit starts from the default prior (``AcceptanceTables.default()``)."""
+    """Attach an EAGLE-3 drafter (module, or checkpoint folder checked against the target at load). The acceptance
+    model's tables fitted for a folder's drafter are loaded with it: those ``specfit calibrate --acceptance-only``
+    wrote to the user cache for it, else the folder's own ``acceptance.json`` (``selection/acceptance_cache.py``);
+    without either, or for a module, SpecFit starts from the default prior (``AcceptanceTables.default()``)."""
     runtime = model.specfit
     seam.check_layer_types(model)  # assistants need KV-attention layers: refuse hybrids before any work
     if runtime.aux_capture is not None:
@@ -326,8 +334,9 @@ def set_drafter(model, drafter) -> None:
         drafter = load_drafter(folder, target=model)
         if (folder / CONFIG).is_file():  # a route predictor saved beside the drafter
             runtime.route_predictor = RoutePredictor.load(folder, model)
-        if (folder / ACCEPTANCE_FILE).is_file():  # the acceptance model's tables for this drafter
-            tables = AcceptanceTables.load(folder / ACCEPTANCE_FILE)
+        path = tables_path(folder) if folder.is_dir() else None  # the user cache's tables first, else the folder's
+        if path is not None:
+            tables = AcceptanceTables.load(path)
     runtime.acceptance_tables, runtime.acceptance_models = tables, {}
     weight = model.get_input_embeddings().weight
     drafter.to(device=runtime.device, dtype=weight.dtype)

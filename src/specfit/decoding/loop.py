@@ -50,7 +50,12 @@ def call_config(model, named: dict):
 def check_generate_arguments(model, args, kwargs) -> None:
     """Refuse, before any work, what assistant decoding cannot do."""
     if getattr(model, "specfit", None) is None:
-        raise RuntimeError("assistant=... needs SpecFit: call specfit.enable(model, cache_slots=..., drafter=...)")
+        try:
+            span = f"1..{seam.moe_layers(model)[0].num_experts}"
+        except ValueError as err:  # not a model SpecFit can offload: say that instead
+            raise RuntimeError(f"assistant= needs SpecFit, which cannot run this model: {err}") from None
+        raise RuntimeError(f"assistant= needs SpecFit enabled on the model first: specfit.enable(model, cache_slots=N, "
+                           f"drafter='path/to/eagle3-drafter') with N expert slots per MoE layer in {span}")
     if model.specfit.drafter is None:
         raise ValueError("assistant=... needs a drafter: specfit.enable(model, ..., drafter=PATH_OR_MODULE)")
     named = generate_arguments(args, kwargs)

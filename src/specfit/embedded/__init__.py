@@ -50,7 +50,7 @@ def load(cache_slots: int, *, drafter: bool = True, dtype=None, **enable_kwargs)
 
     if not available():
         raise FileNotFoundError(f"the embedded model is missing from {HERE}; reinstall specfit, or train it with "
-                                f"`specfit train-target` and `specfit train-drafter`")
+                                f"`specfit train-target --out {TARGET_DIR}` then `specfit train-drafter`")
     advise_threads(torch.get_num_threads())
     model = from_pretrained(TARGET_DIR, cache_slots=cache_slots, dtype=dtype or torch.float32, device="cpu",
                             drafter=str(DRAFTER_DIR) if drafter else None, **enable_kwargs)

@@ -447,7 +447,8 @@ def add_arguments(p) -> None:
                    help="instead of the cost profile, fit the acceptance model's tables for the drafter: greedy and "
                         "sampling labels from the EAGLE-3 assistant on GSM8K train questions and CNN/DailyMail "
                         "articles from the end of the test file (--num-prompts of them, default 24), written to "
-                        "acceptance.json beside the drafter (or --out); --slots defaults to all experts")
+                        "the user cache under the drafter's content, where enable() reads them before the drafter "
+                        "folder's own acceptance.json (or to --out); --slots defaults to all experts")
 
 
 def main(args) -> int:
@@ -485,42 +486,45 @@ def main(args) -> int:
 
 
 def _acceptance_only(args) -> int:
-    """``--acceptance-only``: fit and write the drafter's acceptance tables (see evaluation/acceptance_tables.py)."""
+    """``--acceptance-only``: fit the drafter's acceptance tables (see evaluation/acceptance_tables.py) and write them
+    to the user cache under the drafter's key, where ``enable`` finds them first (selection/acceptance_cache.py), or
+    to ``--out``. Nothing is written into the drafter's folder (for the embedded drafter: the installed package)."""
     from tqdm.auto import tqdm
 
     from .acceptance_tables import calibration_prompts, describe as describe_tables, fit_tables
-    from ..selection.acceptance_model import FILENAME
+    from ..selection.acceptance_cache import user_tables_path
 
+    from .. import embedded
+
+    drafter = args.drafter or (embedded.DRAFTER_DIR if args.model is None else None)
+    if args.out:
+        out = Path(args.out)
+    elif drafter is None or not Path(drafter).is_dir():
+        raise ValueError("--acceptance-only files the tables in the user cache under a local drafter folder's "
+                         "content; pass --drafter FOLDER (a local EAGLE-3 checkpoint folder) or --out PATH")
+    else:
+        out = user_tables_path(drafter)  # checked and named before the model loads
     if args.slots is None:
         from transformers import AutoConfig
 
-        if args.model is None:
-            from .. import embedded
-
-            args.slots = AutoConfig.from_pretrained(embedded.TARGET_DIR).num_experts
-        else:
-            args.slots = AutoConfig.from_pretrained(args.model).num_experts
+        args.slots = AutoConfig.from_pretrained(embedded.TARGET_DIR if args.model is None else args.model).num_experts
     model, tokenizer = _load(args)
     torch.set_num_threads(args.threads or (1 if model.specfit.device.type == "cpu" else torch.get_num_threads()))
     if tokenizer is None:
         raise ValueError("--acceptance-only decodes text prompts and needs the model's tokenizer")
-    if args.out:
-        out = Path(args.out)
-    else:
-        from .. import embedded
-
-        drafter = args.drafter or (embedded.DRAFTER_DIR if args.model is None else None)
-        if drafter is None or not Path(drafter).is_dir():
-            raise ValueError("--acceptance-only writes acceptance.json beside a local drafter folder; pass --drafter "
-                             "FOLDER or --out PATH")
-        out = Path(drafter) / FILENAME
     prompts = calibration_prompts(tokenizer, args.num_prompts or ACCEPTANCE_PROMPTS)
     with tqdm(total=2 * len(prompts), desc="acceptance labels (greedy, then sampling)", unit="prompt") as bar:
         tables = fit_tables(model, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                             progress=lambda done: bar.update(done - bar.n))
     print(describe_tables(tables))
+    out.parent.mkdir(parents=True, exist_ok=True)
     tables.save(out)
-    print(f"acceptance tables written to {out}")
+    if args.out:
+        print(f"acceptance tables written to {out} (specfit.enable reads the user cache's tables, not --out; "
+              f"without --out they go where it reads them first)")
+    else:
+        print(f"acceptance tables written to {out}: specfit.enable(..., drafter={str(drafter)!r}) loads them "
+              f"first; the drafter folder's own acceptance.json is left as it was")
     return 0
 
 

@@ -1,7 +1,8 @@
 """``specfit demo``: the embedded model with offloaded experts on the CPU, decoded by AR, EAGLE-3 and SpecFit.
 
-Prints the generated text once (all three produce the same tokens: decoding is lossless) and a table of wall-clock
-tok/s, draft nodes verified per cycle, tokens committed per cycle and expert copies per token, with a legend. The
+Prints the generated text once (all three produce the same tokens: decoding is lossless), a table of wall-clock
+tok/s, draft nodes verified per cycle, tokens committed per cycle and expert copies per token, with a legend, and a
+verdict per workload: SpecFit against the best other method with the prompt-to-prompt spread of this run. The
 measurement is ``specfit.compare`` (the methods interleaved prompt by prompt, whole generate() calls timed). SpecFit
 runs with the defaults a user gets (deployable routes from the drafter's trained route predictor). The host link is
 emulated (every expert copy costs a set time), so the figures show the offload regime on a CPU; they are not GPU
@@ -17,22 +18,39 @@ import torch
 
 from . import comparison
 from .harness import link_seconds, load_instances
+from .verdict import verdict
 
 METHODS = ("ar", "eagle3", "specfit")
+WORKLOADS = {"gsm8k": "GSM8K", "cnn": "CNN/DailyMail"}
 
-# used only when neither the local data folder nor the hub can provide GSM8K / CNN prompts
+# used only when neither the local data folder nor the hub can provide GSM8K / CNN prompts (as many as --num-prompts
+# asks by default, so the verdict's spread comes from the same number of prompts either way)
 FALLBACK = {
-    "gsm8k": ["Question: Tom has 3 boxes with 12 apples in each box. He gives away 10 apples. How many apples does "
-              "he have left?\nAnswer:"],
-    "cnn": ["Article: The city council voted on Tuesday to extend the opening hours of the public library, after a "
-            "year in which the number of visitors doubled. The library will now stay open until nine in the "
-            "evening on weekdays.\nSummary:"],
+    "gsm8k": [f"Question: {q}\nAnswer:" for q in (
+        "Tom has 3 boxes with 12 apples in each box. He gives away 10 apples. How many apples does he have left?",
+        "A train travels 60 km in one hour. How far does it travel in 3 hours and 30 minutes?",
+        "Sara buys 4 notebooks at 3 dollars each and a pen for 2 dollars. She pays with a 20 dollar bill. How much "
+        "change does she get?",
+        "A class has 28 students. Half of them play football and a quarter of them play chess. How many students "
+        "play neither, if nobody plays both?")],
+    "cnn": [f"Article: {a}\nSummary:" for a in (
+        "The city council voted on Tuesday to extend the opening hours of the public library, after a year in which "
+        "the number of visitors doubled. The library will now stay open until nine in the evening on weekdays.",
+        "A small fishing boat with four crew members was rescued off the coast on Sunday after its engine failed in "
+        "rough weather. The coast guard said all four were in good health and the boat was towed back to harbour.",
+        "The national museum will reopen its west wing next month after a two-year renovation that replaced the "
+        "roof and added new rooms for the collection of ancient coins, the museum's director said on Friday.",
+        "Heavy rain caused flooding in several towns in the north of the country on Wednesday, closing roads and "
+        "schools. Officials said the water was expected to go down by the weekend and no injuries were reported.")],
 }
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--prompts", type=int, default=2, help="prompts per workload (GSM8K and CNN/DailyMail)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--num-prompts", type=int, default=4,
+                   help="prompts per workload (GSM8K and CNN/DailyMail); the verdict's spread is over them")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="decode your own prompt instead of the workloads (repeat for several)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--slots", type=int, default=12,
                    help="expert slots per layer of 64 (12: where copies dominate, as in the paper's 24 of 128)")
     p.add_argument("--link-ms", type=float, default=None,
@@ -41,39 +59,87 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
 
 
-def main(args) -> int:
+def check_arguments(args, num_experts: int) -> None:
+    """Every option, before anything loads: a refusal names the value and the valid range."""
+    import math
+
+    if not 1 <= args.slots <= num_experts:
+        raise ValueError(f"--slots must be in 1..{num_experts} (the embedded model's experts per layer), got "
+                         f"{args.slots}")
+    for name in ("num_prompts", "max_new_tokens", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.link_ms is not None and not (math.isfinite(args.link_ms) and args.link_ms >= 0):
+        raise ValueError(f"--link-ms must be a finite number of milliseconds >= 0 (0: a free link), got {args.link_ms}")
+    if args.prompt is not None and not all(text.strip() for text in args.prompt):
+        raise ValueError("--prompt needs a non-empty TEXT")
+
+
+def workload_prompts(args) -> tuple[dict[str, list[str]], str | None]:
+    """The prompts of each workload, and the one note to print when the data could not be read (None if it was)."""
     from . import datasets
 
+    if args.prompt is not None:
+        return {"your prompt": list(args.prompt)}, None
+    out, missing = {}, None
+    for workload in WORKLOADS:
+        try:
+            out[workload] = datasets.prompts(workload, args.num_prompts, max_chars=1200)
+        except datasets.DataUnavailable:
+            out[workload] = FALLBACK[workload][:args.num_prompts]
+            missing = (f"note: the GSM8K and CNN/DailyMail test prompts could be read from neither place SpecFit "
+                       f"reads data from: a local data folder ($SPECFIT_DATA_DIR, else shared/data in or above the "
+                       f"working directory, as the README's ../shared/data), else the Hugging Face hub through "
+                       f"`datasets`. The demo uses its {len(FALLBACK[workload])} built-in prompts per workload "
+                       f"instead. {datasets.WHERE_TO_GET}")
+    return out, missing
+
+
+def main(args) -> int:
+    from transformers import AutoConfig
+
+    from .. import embedded
+
     started = time.time()
+    config = AutoConfig.from_pretrained(embedded.TARGET_DIR)
+    check_arguments(args, config.num_experts)
+    texts, missing = workload_prompts(args)
     torch.set_num_threads(args.threads)  # this command owns its process: the count that suits the model (--threads)
     link, how = link_seconds(args.link_ms)
     args.link_ms = link.seconds_per_expert * 1e3
-    print(f"SpecFit demo: the embedded Qwen3-MoE ({_architecture()}) with its EAGLE-3 drafter, "
-          f"experts in host memory, {args.slots} slots per layer, CPU with an emulated host link of "
-          f"{args.link_ms:.3f} ms per expert copy ({how}; emulated: not GPU speed), {args.threads} CPU thread"
-          f"{'s' if args.threads != 1 else ''} (--threads).")
+    print(f"SpecFit demo: the embedded Qwen3-MoE ({config.num_experts} experts, top-{config.num_experts_per_tok}, "
+          f"{config.num_hidden_layers} layers) with its EAGLE-3 drafter, experts in host memory, {args.slots} slots "
+          f"per layer, CPU with an emulated host link of {args.link_ms:.3f} ms per expert copy ({how}; emulated: not "
+          f"GPU speed), {args.threads} CPU thread{'s' if args.threads != 1 else ''} (--threads).")
     print("The embedded model is a small model trained by this project only to show the method: its text is not "
           "meant to be good. What matters is that all three methods write the same tokens, and how fast.")
-    print(f"Where SpecFit pays: when expert copies are dear - few slots per layer (here {args.slots} of 64) and a "
-          f"slow host link (here {args.link_ms:.3f} ms per copy) - it verifies only the draft nodes worth their "
-          f"experts' copies, so it copies fewer experts per token than EAGLE-3; with every expert resident or a "
-          f"free link it has nothing to save.\n")
+    print(f"Where SpecFit pays: when expert copies are dear - few slots per layer (here {args.slots} of "
+          f"{config.num_experts}) and a slow host link (here {args.link_ms:.3f} ms per copy) - it verifies only the "
+          f"draft nodes worth their experts' copies, so it copies fewer experts per token than EAGLE-3; with every "
+          f"expert resident or a free link it has nothing to save.\n")
+    if missing:
+        print(missing + "\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         instances, tokenizer = load_instances(list(METHODS), args.slots, link)
-        tables = []
-        for workload in ("gsm8k", "cnn"):
-            try:
-                texts = datasets.prompts(workload, args.prompts, max_chars=1200)
-            except datasets.DataUnavailable as err:
-                print(f"({workload}: {err}; using a built-in prompt)")
-                texts = FALLBACK[workload]
-            result = comparison.run(instances, tokenizer, texts, METHODS, max_new_tokens=args.max_new_tokens)
-            for text, out in zip(texts, result.outputs["ar"]):
-                print(f"--- {workload} prompt ---\n{_clip(text)}\n--- generated (identical for AR, EAGLE-3 and "
-                      f"SpecFit) ---\n{tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
-            tables.append(result.format(f"[{workload}] {args.slots} slots of 64, CPU, emulated host link (not GPU "
-                                        f"speed), {len(texts)} prompt{'s' if len(texts) != 1 else ''}"))
+        tables, verdicts = [], []
+        for workload, prompts in texts.items():
+            per_prompt = {m: [] for m in METHODS}
+
+            def on_prompt(i):  # each method has its own model: its last call is this prompt's
+                for m in METHODS:
+                    per_prompt[m].append(instances[m].specfit.stats.last_generate.end_to_end_tokens_per_second)
+
+            result = comparison.run(instances, tokenizer, prompts, METHODS, max_new_tokens=args.max_new_tokens,
+                                    on_prompt=on_prompt)
+            text, out = prompts[0], result.outputs["ar"][0]
+            print(f"--- {workload} prompt 1 of {len(prompts)} ---\n{_clip(text)}\n--- generated (identical for AR, "
+                  f"EAGLE-3 and SpecFit) ---\n{tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
+            name = WORKLOADS.get(workload, workload)
+            verdicts.append(f"  {name}: {verdict(per_prompt)}")
+            tables.append(result.format(f"[{workload}] {args.slots} slots of {config.num_experts}, CPU, emulated "
+                                        f"host link (not GPU speed), {len(prompts)} prompt"
+                                        f"{'s' if len(prompts) != 1 else ''}"))
     for table in tables:
         print(table + "\n")
     print("\n".join(comparison.LEGEND))
@@ -82,18 +148,12 @@ def main(args) -> int:
     for warning in caught:
         if "profile" in str(warning.message):
             print(f"note: {warning.message}")
-    print(f"({time.time() - started:.0f} s in all. In Python: specfit.compare(model, tokenizer, prompts) runs this "
-          f"on your own prompts; `specfit bench` runs the full table.)")
+    print("Verdict of this run (whole-call tok/s; spread: the standard deviation over prompts of SpecFit's per-prompt "
+          "ratio to that method, so a gain inside it is not a clear difference):")
+    print("\n".join(verdicts))
+    print(f"({time.time() - started:.0f} s in all. Your own prompt: specfit demo --prompt TEXT; in Python: "
+          f"specfit.compare(model, tokenizer, prompts) on your own model; `specfit bench` runs the full table.)")
     return 0
-
-
-def _architecture() -> str:
-    from transformers import AutoConfig
-
-    from .. import embedded
-
-    c = AutoConfig.from_pretrained(embedded.TARGET_DIR)
-    return f"{c.num_experts} experts, top-{c.num_experts_per_tok}, {c.num_hidden_layers} layers"
 
 
 def _clip(text: str, n: int = 300) -> str:

@@ -123,8 +123,44 @@ class ExpertStore:
     def tensors(self, layer: int):
         """Fresh copies of every part, stacked over experts: (gate_up [E, 2I, H], down [E, H, I], gate_up_bias
         [E, 2I] | None, down_bias [E, H] | None) (used by ``disable``)."""
-        rows = [self.parts(row) for row in self.arenas[layer]]
-        return tuple(None if part[0] is None else torch.stack(part) for part in zip(*rows))
+        return tuple(None if part is None else part.clone(memory_format=torch.contiguous_format)
+                     for part in self.read(layer))
+
+    # the experts as the model's own parameters (state_dict, save_pretrained, load_state_dict) -----------------
+    def read(self, layer: int):
+        """THE arena -> tensor conversion: a layer's experts as true values in the store's orientation, (gate_up
+        [E, 2I, H], down [E, H, I], gate_up_bias [E, 2I] | None, down_bias [E, H] | None). Views of the arena (no
+        copy) while it holds the model's own dtype; every reader (``tensors``, ``checkpoint_tensors``) goes through
+        here, so an arena format that needs converting (a quantized one) changes this function only."""
+        return self.layout.split_batch(self.arenas[layer])
+
+    def checkpoint_tensors(self, layer: int, transposed: bool = False) -> dict[str, torch.Tensor]:
+        """A layer's experts under the names and shapes of the experts module's own parameters, in its order
+        (``gate_up_proj``, ``gate_up_proj_bias``, ``down_proj``, ``down_proj_bias``): what ``state_dict()`` of the
+        plain model holds for it. ``transposed``: the family stores ``x @ W`` (GPT-OSS, Llama-4: gate_up [E, H, 2I],
+        down [E, I, H]). Views when ``read`` gives views: bit-identical values, no second copy."""
+        gate_up, down, gate_up_bias, down_bias = self.read(layer)
+        if transposed:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        named = {"gate_up_proj": gate_up, "gate_up_proj_bias": gate_up_bias, "down_proj": down,
+                 "down_proj_bias": down_bias}
+        return {name: t for name, t in named.items() if t is not None}
+
+    def write_checkpoint_tensors(self, layer: int, tensors: dict, transposed: bool = False) -> None:
+        """Inverse of ``checkpoint_tensors``: copy (with the dtype cast ``load_state_dict`` makes) the given
+        parameters of a layer's experts into its arena. Every name and shape is checked before anything is
+        written."""
+        expected = self.checkpoint_tensors(layer, transposed)
+        for name, t in tensors.items():
+            if name not in expected:
+                raise ValueError(f"layer {layer}: unknown expert parameter {name!r}; the experts hold "
+                                 f"{', '.join(expected)}")
+            if tuple(t.shape) != tuple(expected[name].shape):
+                raise ValueError(f"layer {layer} experts {name}: shape {tuple(t.shape)}, expected "
+                                 f"{tuple(expected[name].shape)}")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                expected[name].copy_(t)
 
     # pinning ---------------------------------------------------------------------------------------------------
     def _pin(self) -> None:
