@@ -20,6 +20,7 @@ import weakref
 import torch
 
 from .. import seam
+from .formats import DenseFormat
 
 class CudaHostPinning:
     """Page-locking host memory in place (``cudaHostRegister``), in one small seam so that a CPU test double can
@@ -46,14 +47,22 @@ class CudaHostPinning:
 
 class ExpertStore:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                 pin: bool | str = "auto", bias: bool = False, pinning: CudaHostPinning | None = None):
+                 pin: bool | str = "auto", bias: bool = False, pinning: CudaHostPinning | None = None,
+                 format=None):
+        """``dtype``: the dtype experts compute in; ``format``: how they are stored (``formats``; default: dense,
+        stored in ``dtype``). ``self.dtype`` is what the arenas and device slots hold (uint8 rows for FP8)."""
         if pin not in (True, False, "auto"):
             raise ValueError(f"pin must be True, False or 'auto', got {pin!r}")
         self._pinning = pinning or CudaHostPinning()
-        self.num_experts, self.hidden, self.intermediate, self.dtype = num_experts, hidden, intermediate, dtype
         self.layout = seam.ExpertLayout(hidden, intermediate, bias)
-        self.expert_numel = self.layout.numel
-        self.arenas = [torch.empty(num_experts, self.expert_numel, dtype=dtype) for _ in range(num_layers)]
+        self.format = format or DenseFormat(self.layout, dtype, dtype)
+        if self.format.layout != self.layout:
+            raise ValueError(f"format {self.format.name} is for layout {self.format.layout}, the store's is "
+                             f"{self.layout}")
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.dtype, self.compute_dtype = self.format.arena_dtype, dtype
+        self.expert_numel = self.format.row_numel
+        self.arenas = [torch.empty(num_experts, self.expert_numel, dtype=self.dtype) for _ in range(num_layers)]
         self.pinned_bytes = 0
         self._registered: list[int] = []
         self._finalizer = None
@@ -63,6 +72,7 @@ class ExpertStore:
     # sizes ---------------------------------------------------------------------------------------------------
     @property
     def expert_bytes(self) -> int:
+        """Bytes of one expert as stored (what one copy moves; FP8: e4m3 weights and their scales)."""
         return self.expert_numel * self.arenas[0].element_size() if self.arenas else 0
 
     @property
@@ -73,18 +83,29 @@ class ExpertStore:
     def is_pinned(self) -> bool:
         return bool(self.arenas) and self.pinned_bytes == self.weight_bytes
 
+    @property
+    def rows_are_weights(self) -> bool:
+        """A row is directly a weight in the compute dtype (no dequantize or upcast between copy and compute)."""
+        return self.format.in_compute_dtype
+
     def layer_pinned(self, layer: int) -> bool:
         """Whether layer ``layer``'s arena is page-locked (arenas are pinned in layer order, up to a failure)."""
         return layer < len(self._registered)
 
     # views -----------------------------------------------------------------------------------------------------
     def split(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One flat expert row (host or device) -> (gate_up [2I, H], down [H, I]) views."""
-        return self.layout.split(row)[:2]
+        """One flat expert row (host or device) -> (gate_up [2I, H], down [H, I]) in the compute dtype."""
+        return self.parts(row)[:2]
 
     def parts(self, row: torch.Tensor):
-        """One flat expert row -> (gate_up [2I, H], down [H, I], gate_up_bias [2I] | None, down_bias [H] | None)."""
-        return self.layout.split(row)
+        """One flat expert row -> (gate_up [2I, H], down [H, I], gate_up_bias [2I] | None, down_bias [H] | None) in
+        the compute dtype (views when the row is stored in it)."""
+        return tuple(None if p is None else p[0] for p in self.compute_parts(row[None]))
+
+    def compute_parts(self, rows: torch.Tensor):
+        """rows [n, numel] -> (gate_up [n, 2I, H], down [n, H, I], biases | None) in the compute dtype, as the
+        experts forward multiplies them (views for dense rows in that dtype; FP8 rows dequantized)."""
+        return self.format.compute_parts(rows)
 
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.split(self.arenas[layer][expert])
@@ -92,6 +113,9 @@ class ExpertStore:
     def write_fused(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias=None,
                     down_bias=None) -> None:
         """Fill a layer from fused tensors: gate_up [E, 2I, H], down [E, H, I] (+ biases [E, 2I], [E, H])."""
+        if not self.rows_are_weights:
+            raise ValueError(f"write_fused takes dense weights; this store holds {self.format.name} experts (fill it "
+                             f"with write_part, tensor by tensor as the checkpoint stores them)")
         for e in range(self.num_experts):
             views = self.parts(self.arenas[layer][e])
             for view, src in zip(views, (gate_up, down, gate_up_bias, down_bias)):
@@ -103,17 +127,15 @@ class ExpertStore:
     def write_part(self, layer: int, expert: int, part: str, weight: torch.Tensor) -> None:
         """Fill one checkpoint tensor of one expert: ``gate_proj``/``up_proj`` [I, H], ``down_proj`` [H, I], or the
         fused ``gate_up_proj`` [2I, H] (the model's own gate/up order), ``gate_up_proj_bias`` [2I],
-        ``down_proj_bias`` [H]."""
-        gate_up, down, gate_up_bias, down_bias = self.parts(self.arenas[layer][expert])
-        target = {"gate_proj": gate_up[: self.intermediate], "up_proj": gate_up[self.intermediate:],
-                  "gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": gate_up_bias,
-                  "down_proj_bias": down_bias}.get(part)
+        ``down_proj_bias`` [H]; FP8 stores also take each one's ``..._scale_inv`` [rows/bn, cols/bk]."""
+        target = self.format.targets(self.arenas[layer][expert]).get(part)
         if target is None:
-            raise ValueError(f"unknown expert part {part!r} for layout {self.layout}; expected gate_proj, up_proj, "
-                             f"gate_up_proj or down_proj" + (" or their biases" if self.layout.bias else ""))
+            raise ValueError(f"unknown expert part {part!r} for {self.format.name} layout {self.layout}; expected "
+                             f"{', '.join(k for k, v in self.format.targets(self.arenas[layer][expert]).items() if v is not None)}")
         if tuple(weight.shape) != tuple(target.shape):
             raise ValueError(f"layer {layer} expert {expert} {part}: shape {tuple(weight.shape)}, "
                              f"expected {tuple(target.shape)}")
+        self.format.check_source(part, weight, f"layer {layer} expert {expert}")
         target.copy_(weight)
 
     def fused(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +143,10 @@ class ExpertStore:
         return self.tensors(layer)[:2]
 
     def tensors(self, layer: int):
-        """Fresh copies of every part, stacked over experts: (gate_up [E, 2I, H], down [E, H, I], gate_up_bias
-        [E, 2I] | None, down_bias [E, H] | None) (used by ``disable``)."""
-        rows = [self.parts(row) for row in self.arenas[layer]]
-        return tuple(None if part[0] is None else torch.stack(part) for part in zip(*rows))
+        """Fresh copies of every part, stacked over experts, in the compute dtype: (gate_up [E, 2I, H], down
+        [E, H, I], gate_up_bias [E, 2I] | None, down_bias [E, H] | None) (used by ``disable``; FP8 experts come
+        back dequantized, as transformers loads them where it dequantizes)."""
+        return tuple(None if p is None else p.clone() for p in self.compute_parts(self.arenas[layer]))
 
     # pinning ---------------------------------------------------------------------------------------------------
     def _pin(self) -> None:
