@@ -39,15 +39,17 @@ def add_arguments(p) -> None:
                    help="emulated ms per expert copy (default: measured at start so that a token's full expert demand "
                         "costs 1.4x its compute, as on the paper's A100)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
+    p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
 
 
 def main(args) -> int:
     from . import datasets
+    from .. import embedded
 
     started = time.time()
     torch.set_num_threads(args.threads)  # this command owns its process: the count that suits the model (--threads)
     link, how = link_seconds(args.link_ms)
-    args.link_ms = link.seconds_per_expert * 1e3
+    args.link_ms = embedded.link_seconds_per_expert(link) * 1e3  # per bf16 expert (the default link is per byte)
     print(f"SpecFit demo: the embedded Qwen3-MoE ({_architecture()}) with its EAGLE-3 drafter, "
           f"experts in host memory, {args.slots} slots per layer, CPU with an emulated host link of "
           f"{args.link_ms:.3f} ms per expert copy ({how}; emulated: not GPU speed), {args.threads} CPU thread"
@@ -60,7 +62,7 @@ def main(args) -> int:
           f"free link it has nothing to save.\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        instances, tokenizer = load_instances(list(METHODS), args.slots, link)
+        instances, tokenizer = load_instances(list(METHODS), args.slots, link, fp8=args.fp8)
         tables = []
         for workload in ("gsm8k", "cnn"):
             try:

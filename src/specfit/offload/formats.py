@@ -172,13 +172,13 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
 
 
 # --- the registry --------------------------------------------------------------------------------------------------
-def _dense(layout, config, quantization, compute_dtype):
-    stored = _config_dtype(config) or compute_dtype
+def _dense(layout, stored, quantization, compute_dtype):
+    stored = _as_dtype(stored) or compute_dtype
     narrower = stored.is_floating_point and stored.itemsize < compute_dtype.itemsize
     return DenseFormat(layout, stored if narrower else compute_dtype, compute_dtype)
 
 
-def _block_fp8(layout, config, q, compute_dtype):
+def _block_fp8(layout, stored, q, compute_dtype):
     block = q.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(f"quantization_config.weight_block_size must be two positive ints (e.g. [128, 128]), got "
@@ -192,11 +192,14 @@ def _block_fp8(layout, config, q, compute_dtype):
     return BlockFP8Format(layout, tuple(block), compute_dtype)
 
 
-FORMATS = {None: _dense, "fp8": _block_fp8}  # quant_method -> (layout, config, quantization dict, dtype) -> format
+# quant_method -> (layout, checkpoint dtype, quantization_config dict, compute dtype) -> format
+FORMATS = {None: _dense, "fp8": _block_fp8}
 
 
-def stored_format(config, layout: seam.ExpertLayout, compute_dtype: torch.dtype, where: str = "the checkpoint"):
-    """The stored expert format of a checkpoint with ``config``; other quantizations are refused, named."""
+def stored_format(config, layout: seam.ExpertLayout, compute_dtype: torch.dtype, stored_dtype=None,
+                  where: str = "the checkpoint"):
+    """The stored expert format of a checkpoint with ``config`` (``stored_dtype``: its ``config.json`` dtype, read
+    before a model is built from it); other quantizations are refused, named."""
     method = seam.quantization_method(config)
     if method not in FORMATS:
         raise ValueError(f"{where}: the checkpoint is quantized ({method!r}, e.g. GPT-OSS's MXFP4 experts); SpecFit's "
@@ -204,11 +207,10 @@ def stored_format(config, layout: seam.ExpertLayout, compute_dtype: torch.dtype,
                          f"unquantized (bf16/fp16/fp32) and block-wise FP8 (quant_method 'fp8') checkpoints. Use one "
                          f"of those releases, or load with transformers (dequantising) and call specfit.enable(model,"
                          f" ...)")
-    return FORMATS[method](layout, config, _quantization_dict(config), compute_dtype)
+    return FORMATS[method](layout, stored_dtype, _quantization_dict(config), compute_dtype)
 
 
-def _config_dtype(config):
-    dtype = getattr(config, "dtype", None)
+def _as_dtype(dtype):
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else None

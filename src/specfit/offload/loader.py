@@ -80,14 +80,15 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     against its experts) fail in seconds, not after the whole checkpoint has streamed."""
     local = _local_folder(path_or_id)
     config = AutoConfig.from_pretrained(local if local is not None else str(path_or_id), revision=revision)
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    stored_dtype = getattr(config, "dtype", None)  # the checkpoint's (from_config below sets the model's)
+    dtype = dtype or stored_dtype or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     layers = seam.moe_layers(model)
-    fmt = stored_format(config, layers[0].layout, dtype, where=str(path_or_id))
+    fmt = stored_format(config, layers[0].layout, dtype, stored_dtype, where=str(path_or_id))
     if isinstance(fmt, BlockFP8Format):
         _check_fp8_device(config, device, path_or_id)
         if layers[0].transposed:

@@ -128,10 +128,11 @@ class ExpertStore:
         """Fill one checkpoint tensor of one expert: ``gate_proj``/``up_proj`` [I, H], ``down_proj`` [H, I], or the
         fused ``gate_up_proj`` [2I, H] (the model's own gate/up order), ``gate_up_proj_bias`` [2I],
         ``down_proj_bias`` [H]; FP8 stores also take each one's ``..._scale_inv`` [rows/bn, cols/bk]."""
-        target = self.format.targets(self.arenas[layer][expert]).get(part)
+        targets = self.format.targets(self.arenas[layer][expert])
+        target = targets.get(part)
         if target is None:
             raise ValueError(f"unknown expert part {part!r} for {self.format.name} layout {self.layout}; expected "
-                             f"{', '.join(k for k, v in self.format.targets(self.arenas[layer][expert]).items() if v is not None)}")
+                             f"{', '.join(k for k, v in targets.items() if v is not None)}")
         if tuple(weight.shape) != tuple(target.shape):
             raise ValueError(f"layer {layer} expert {expert} {part}: shape {tuple(weight.shape)}, "
                              f"expected {tuple(target.shape)}")
