@@ -190,3 +190,35 @@ def test_missing_scale_and_bad_block_size_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"weight_block_size \[128, 128\] does not tile"):
         specfit.from_pretrained(tmp_path, cache_slots=2)
+
+
+@pytest.mark.skipif(not __import__("specfit").embedded.available(), reason="the embedded model is not installed")
+def test_embedded_fp8_variant_is_built_in_the_user_cache_and_lossless(tmp_path, monkeypatch):
+    from specfit import embedded
+
+    monkeypatch.setenv("SPECFIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(embedded, "default_link_seconds", lambda refresh=False: 1e-6)
+    model, tokenizer = embedded.load(12, fp8=True, drafter=False, link=embedded.default_link())
+    folder = Path(model.name_or_path)
+    assert folder.is_relative_to(tmp_path)  # built in the user cache, never inside the installed package
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["weight_block_size"] == [8, 16]
+    bf16, _ = embedded.load(12, drafter=False)
+    assert bf16.specfit.store.dtype == torch.bfloat16  # the shipped experts as stored (computed in fp32)
+    assert model.specfit.store.weight_bytes <= 0.55 * bf16.specfit.store.weight_bytes
+    link = model.specfit.config.link  # per byte: a bf16 expert costs the rule's time, an FP8 one about half
+    assert link.copy_time(bf16.specfit.store.expert_bytes) == pytest.approx(1e-6)
+    assert link.copy_time(model.specfit.store.expert_bytes) == pytest.approx(1e-6 * 3960 / 7680)
+    ref = reference(folder, torch.float32)  # plain transformers on the same folder, as a user loads it
+    ids = tokenizer("Question: A farmer has 12 cows and buys 5 more. How many cows?\nAnswer:",
+                    return_tensors="pt").input_ids
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False),
+                       ref.generate(ids, max_new_tokens=12, do_sample=False))
+
+
+def test_fp8_parameters_of_a_loaded_model_are_refused_not_misread():
+    """A model whose experts are FP8 parameters (transformers' FP8Experts, where it runs FP8 kernels) cannot be
+    enabled: its bytes would be multiplied as if they were weights in the compute dtype."""
+    from specfit.offload.store import ExpertStore
+
+    with pytest.raises(ValueError, match=r"float8_e4m3fn parameters.*specfit\.from_pretrained"):
+        ExpertStore(1, 4, H, I, torch.float8_e4m3fn, pin=False)

@@ -34,6 +34,12 @@ class DenseFormat:
     name = "dense"
     suffixes = ()  # checkpoint key suffixes beside ``.weight`` this format reads
 
+    def __post_init__(self):
+        if self.compute_dtype.itemsize == 1:  # e.g. transformers' FP8Experts, loaded where it runs FP8 kernels
+            raise ValueError(f"the experts are {self.compute_dtype} parameters: SpecFit computes FP8 experts only as "
+                             f"transformers does where it dequantizes them (CPUs, GPUs below compute capability 8.9), "
+                             f"from the checkpoint itself: specfit.from_pretrained(path, cache_slots=...)")
+
     @property
     def arena_dtype(self) -> torch.dtype:
         return self.stored_dtype
