@@ -222,3 +222,19 @@ def test_fp8_parameters_of_a_loaded_model_are_refused_not_misread():
 
     with pytest.raises(ValueError, match=r"float8_e4m3fn parameters.*specfit\.from_pretrained"):
         ExpertStore(1, 4, H, I, torch.float8_e4m3fn, pin=False)
+
+
+def test_bf16_experts_stay_bf16_in_an_fp32_model_and_a_wrong_config_dtype_is_named(tmp_path):
+    tiny_moe(seed=2).to(torch.bfloat16).save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (1, 7))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = specfit.from_pretrained(tmp_path, cache_slots=4, dtype=torch.float32)
+    assert model.specfit.store.dtype == torch.bfloat16 and model.specfit.store.expert_bytes == 3 * I * H * 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+    tensors = load_file(tmp_path / "model.safetensors")
+    key = "model.layers.0.mlp.experts.3.up_proj.weight"
+    tensors[key] = tensors[key].float()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layer 0 expert 3: up_proj is stored as torch.float32.*torch.bfloat16"):
+        specfit.from_pretrained(tmp_path, cache_slots=4, dtype=torch.float32)

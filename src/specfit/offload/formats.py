@@ -66,8 +66,9 @@ class DenseFormat:
 
     def check_source(self, part: str, tensor: torch.Tensor, where: str) -> None:
         if self.stored_dtype != self.compute_dtype and tensor.dtype != self.stored_dtype:
-            raise ValueError(f"{where}: {part} is {tensor.dtype}, the checkpoint's config says {self.stored_dtype} "
-                             f"(its experts are stored as that dtype); pass dtype={tensor.dtype} or fix config.json")
+            raise ValueError(f"{where}: {part} is stored as {tensor.dtype}, but the checkpoint's config.json says "
+                             f"its dtype is {self.stored_dtype} (the arenas keep the experts in that dtype); set "
+                             f"config.json's \"dtype\" to the dtype its tensors have")
 
     def compute_parts(self, rows: torch.Tensor):
         """rows [n, numel] -> (gate_up [n, 2I, H], down [n, H, I], biases | None) in the compute dtype."""
