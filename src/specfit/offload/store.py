@@ -3,9 +3,13 @@
 Layout of one layer's arena ``[E, 3*I*H]``: row ``e`` is expert ``e`` flattened as ``gate_up [2I, H]`` (gate rows
 first, then up rows, as in transformers' fused ``gate_up_proj``) followed by ``down [H, I]``; families with expert
 biases (GPT-OSS) append ``gate_up_bias [2I]`` and ``down_bias [H]`` (``seam.ExpertLayout``). One expert is one row,
-so moving it to the device is one copy. On CUDA the arenas are pinned in place at their exact size with
-``cudaHostRegister`` (torch's pinned allocator rounds every block up to a power of two: Qwen3-30B-A3B's 48 arenas of
-1.125 GiB would take 48 x 2 GiB = 96 GiB instead of 54 GiB).
+so moving it to the device is one copy. That is the dense format; ``formats.py`` holds every stored format (a
+block-wise FP8 expert is one uint8 row of e4m3 weights and float32 block scales), and the row's bytes are what a copy
+moves (``expert_bytes``) and what the experts forward turns into weights (``compute_parts``).
+
+On CUDA the arenas are pinned in place at their exact size with ``cudaHostRegister`` (torch's pinned allocator rounds
+every block up to a power of two: Qwen3-30B-A3B's 48 arenas of 1.125 GiB would take 48 x 2 GiB = 96 GiB instead of
+54 GiB).
 
 A layer whose arena could not be pinned is ``layer_pinned(layer) == False``: its copies are synchronous (the host
 blocks for each, and nothing overlaps them), and the copy engine counts them as ``pageable_copies``. The arenas are
