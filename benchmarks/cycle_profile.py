@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import specfit
-from specfit import seam
+from specfit import embedded, seam
 from specfit.decoding import acceptance, assistants, loop
 from specfit.drafting import drafter as drafter_module
 from specfit.drafting import levels, tree
@@ -122,7 +122,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     methods = args.methods
     link = link_seconds(args.link_ms if args.link_ms != 0 else None)[0] if args.link_ms != 0 else None
-    args.link_ms = link.seconds_per_expert * 1e3 if link is not None else 0
+    args.link_ms = embedded.link_seconds_per_expert(link) * 1e3 if link is not None else 0
     instances, tokenizer = load_instances(methods, args.slots, link)
     prompts = [tokenizer(t, return_tensors="pt").input_ids[:, -450:]
                for t in datasets.prompts(args.workload, args.prompts, max_chars=1800)]

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
 
     greedy = [same for _, _, same in records if same is not None]
     report = dict(calls=len(records), slots=args.slots, link=model.specfit.link_label,
-                  link_ms=link.seconds_per_expert * 1e3, wall_seconds=time.time() - started,
+                  link_ms=embedded.link_seconds_per_expert(link) * 1e3, wall_seconds=time.time() - started,
                   greedy_identical=sum(greedy), greedy_calls=len(greedy), rss_mb_after_each_third=thirds,
                   rss_growth_mb_last_two_thirds=thirds[-1] - thirds[0] if thirds else 0.0,
                   ms_per_token_first_third=ms_per_token(records[:third]),

@@ -22,7 +22,10 @@ def test_the_default_link_is_scaled_to_this_machines_compute(monkeypatch):
     assert embedded.default_link_seconds() == pytest.approx(1.4 * 0.040 / demand)
     assert embedded.token_compute_seconds() == 0.040
     link = embedded.default_link(0.5)
-    assert link.seconds_per_expert == pytest.approx(0.5 * 1.4 * 0.040 / demand) and link.relative == 0.5
+    assert link.relative == 0.5 and link.seconds_per_expert is None  # priced per byte: a bf16 expert costs the rule
+    assert link.copy_time(embedded.bf16_expert_bytes()) == pytest.approx(0.5 * 1.4 * 0.040 / demand)
+    assert embedded.link_seconds_per_expert(link) == pytest.approx(0.5 * 1.4 * 0.040 / demand)
+    assert link.copy_time(embedded.bf16_expert_bytes() // 2) == pytest.approx(0.25 * 1.4 * 0.040 / demand)
     monkeypatch.setattr(embedded, "fastest_forward_seconds", lambda model, ids: 0.080)
     assert embedded.default_link_seconds() == pytest.approx(1.4 * 0.040 / demand)  # measured once per process
     assert embedded.default_link_seconds(refresh=True) == pytest.approx(1.4 * 0.080 / demand)

@@ -75,6 +75,10 @@ SUBCOMMANDS = {
                   "slot count, cache mode and link, from timed probe cycles; check the fit (held-out error, bootstrap "
                   "intervals, the selector's stability) and install the profile in the user cache, where "
                   "specfit.enable finds it. A poor fit is refused with the remedy (--force installs it anyway)."),
+    "make-fp8": ("specfit.embedded.fp8", "write the embedded model's block-wise FP8 variant to a folder",
+                 "Quantize the embedded target's projections to e4m3 with a float32 weight_scale_inv per 8x16 block "
+                 "(the hub's FP8 layout; router, norms and embeddings stay bf16). `specfit demo --fp8` and "
+                 "`specfit bench --fp8` build the same variant into the user cache themselves."),
     "train-target": ("specfit.training.target", "train the embedded Qwen3-MoE (and its tokenizer) from scratch",
                      "Train the embedded Qwen3-MoE and its tokenizer from scratch on GSM8K and OpenStax text "
                      "(needs the local data folder)."),

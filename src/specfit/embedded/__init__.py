@@ -36,12 +36,15 @@ def available() -> bool:
     return (TARGET_DIR / "config.json").is_file() and (DRAFTER_DIR / "config.json").is_file()
 
 
-def load(cache_slots: int, *, drafter: bool = True, dtype=None, **enable_kwargs):
+def load(cache_slots: int, *, drafter: bool = True, dtype=None, fp8: bool = False, **enable_kwargs):
     """The embedded target with offloaded experts (and its drafter), fp32 on the CPU; returns (model, tokenizer).
 
     ``cache_slots``: expert slots per layer (of 64); ``enable_kwargs`` go to ``specfit.enable`` (e.g.
     ``link=0.28e-3`` for an emulated host link, ``cache_mode``, decoding options). The model is fastest with one
     CPU thread: call ``torch.set_num_threads(1)`` first (a ``ThreadsNotice`` says so once when torch uses more).
+    ``fp8=True``: the block-wise FP8 variant (``embedded.fp8``, built into the user cache on first use), experts
+    kept FP8 in the host arenas and device slots; ``model.name_or_path`` is its folder, which plain transformers
+    loads too. The same drafter drafts for it.
     """
     import torch
     from transformers import AutoTokenizer
@@ -52,10 +55,17 @@ def load(cache_slots: int, *, drafter: bool = True, dtype=None, **enable_kwargs)
         raise FileNotFoundError(f"the embedded model is missing from {HERE}; reinstall specfit, or train it with "
                                 f"`specfit train-target --out {TARGET_DIR}` then `specfit train-drafter`")
     advise_threads(torch.get_num_threads())
-    model = from_pretrained(TARGET_DIR, cache_slots=cache_slots, dtype=dtype or torch.float32, device="cpu",
+    if fp8:
+        from .fp8 import folder
+
+        path = folder()
+    else:
+        path = TARGET_DIR
+    model = from_pretrained(path, cache_slots=cache_slots, dtype=dtype or torch.float32, device="cpu",
                             drafter=str(DRAFTER_DIR) if drafter else None, **enable_kwargs)
-    model.config._name_or_path = MODEL_ID
-    model.specfit.calibrate_command = "specfit calibrate"  # what warnings name to fit this machine's profile
+    model.config._name_or_path = str(path) if fp8 else MODEL_ID
+    # what warnings name to fit this machine's profile for it
+    model.specfit.calibrate_command = "specfit calibrate" + (" --fp8" if fp8 else "")
     return model, AutoTokenizer.from_pretrained(TARGET_DIR)
 
 
@@ -82,11 +92,44 @@ def default_link_seconds(refresh: bool = False) -> float:
 
 
 def default_link(ratio: float = 1.0):
-    """The ``LinkConfig`` of the structural default link (``ratio`` x ``default_link_seconds()`` per copy), labelled
-    by that rule: its cost profiles are found on any machine, whatever the ms there."""
+    """The ``LinkConfig`` of the structural default link, labelled by that rule (its cost profiles are found on any
+    machine, whatever the ms there): priced per byte, at the bandwidth that copies one bf16 expert (the shipped
+    weights' dtype, kept as stored in the arenas) in ``ratio`` x ``default_link_seconds()``, so an FP8 expert (e4m3
+    + scales, ``load(fp8=True)``) costs about half. ``ratio=0`` is no link (None)."""
     from ..offload.link import LinkConfig
 
-    return LinkConfig(seconds_per_expert=ratio * default_link_seconds(), relative=ratio)
+    if ratio == 0:
+        return None
+    return LinkConfig(bandwidth=bf16_expert_bytes() / (ratio * default_link_seconds()), relative=ratio)
+
+
+def bf16_expert_bytes() -> int:
+    """Bytes of one embedded expert in bf16 (gate, up and down: 3 x moe_intermediate x hidden x 2)."""
+    import json
+
+    config = json.loads((TARGET_DIR / "config.json").read_text())
+    return 3 * config["moe_intermediate_size"] * config["hidden_size"] * 2
+
+
+def scale_link(link, ratio: float):
+    """``link`` with every copy ``ratio`` times as dear (the structural default stays labelled by its rule); None for
+    ``ratio`` 0 or no link."""
+    from dataclasses import replace
+
+    if link is None or ratio <= 0:
+        return None
+    if link.relative is not None and link.bandwidth is not None:
+        return replace(link, bandwidth=link.bandwidth / ratio, relative=link.relative * ratio)
+    if link.bandwidth is not None:
+        return replace(link, bandwidth=link.bandwidth / ratio, latency=link.latency * ratio)
+    return replace(link, seconds_per_expert=link.seconds_per_expert * ratio,
+                   relative=None if link.relative is None else link.relative * ratio)
+
+
+def link_seconds_per_expert(link) -> float:
+    """Seconds ``link`` (a ``LinkConfig``) takes to copy one bf16 expert of the embedded model (for display, and
+    for links given per copy: their ``seconds_per_expert``)."""
+    return link.copy_time(bf16_expert_bytes())
 
 
 def token_compute_seconds(refresh: bool = False) -> float:

@@ -82,10 +82,12 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="bench-results", help="folder for results.json and tok_s_vs_slots.png")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--quick", action="store_true", help="4 prompts per workload, 32 new tokens (a smoke run)")
+    p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
 
 
 def main(args) -> int:
     from . import datasets
+    from .. import embedded
 
     torch.set_num_threads(args.threads)
     if args.methods is None:
@@ -108,8 +110,8 @@ def main(args) -> int:
     workloads = {w: [tokenizer(t, return_tensors="pt").input_ids[:, -MAX_PROMPT_TOKENS:] for t in prompts]
                  for w, prompts in texts.items()}
     link, how = link_seconds(args.link_ms)
-    args.link_ms = link.seconds_per_expert * 1e3
-    ratio = link_to_compute(link.seconds_per_expert)
+    args.link_ms = embedded.link_seconds_per_expert(link) * 1e3  # per bf16 expert (the default link is per byte)
+    ratio = link_to_compute(args.link_ms / 1e3)
     print(f"emulated link: {args.link_ms:.4f} ms per expert copy ({how}); one token's full expert demand costs "
           f"{ratio:.2f}x one token's compute on this machine (the paper's A100: ~1.4x)")
     started = time.time()
@@ -139,7 +141,8 @@ def _main_table(args, workloads, tokenizer, link, out_dir: Path) -> dict:
         for regime, link in regimes.items():
             for slots in args.slots:
                 n_slots = None if slots == "none" else int(slots)
-                instances, _ = load_instances(args.methods, n_slots, link, prepare=lambda model, method: (
+                instances, _ = load_instances(args.methods, n_slots, link, fp8=args.fp8,
+                                              prepare=lambda model, method: (
                     _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
                 for w, prompts in workloads.items():
                     watched = instances.get("specfit")

@@ -57,6 +57,7 @@ def add_arguments(p) -> None:
                    help="emulated ms per expert copy (default: measured at start so that a token's full expert demand "
                         "costs 1.4x its compute, as on the paper's A100)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
+    p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
 
 
 def check_arguments(args, num_experts: int) -> None:
@@ -78,6 +79,7 @@ def check_arguments(args, num_experts: int) -> None:
 def workload_prompts(args) -> tuple[dict[str, list[str]], str | None]:
     """The prompts of each workload, and the one note to print when the data could not be read (None if it was)."""
     from . import datasets
+    from .. import embedded
 
     if args.prompt is not None:
         return {"your prompt": list(args.prompt)}, None
@@ -106,7 +108,7 @@ def main(args) -> int:
     texts, missing = workload_prompts(args)
     torch.set_num_threads(args.threads)  # this command owns its process: the count that suits the model (--threads)
     link, how = link_seconds(args.link_ms)
-    args.link_ms = link.seconds_per_expert * 1e3
+    args.link_ms = embedded.link_seconds_per_expert(link) * 1e3  # per bf16 expert (the default link is per byte)
     print(f"SpecFit demo: the embedded Qwen3-MoE ({config.num_experts} experts, top-{config.num_experts_per_tok}, "
           f"{config.num_hidden_layers} layers) with its EAGLE-3 drafter, experts in host memory, {args.slots} slots "
           f"per layer, CPU with an emulated host link of {args.link_ms:.3f} ms per expert copy ({how}; emulated: not "
@@ -121,7 +123,7 @@ def main(args) -> int:
         print(missing + "\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        instances, tokenizer = load_instances(list(METHODS), args.slots, link)
+        instances, tokenizer = load_instances(list(METHODS), args.slots, link, fp8=args.fp8)
         tables, verdicts = [], []
         for workload, prompts in texts.items():
             per_prompt = {m: [] for m in METHODS}

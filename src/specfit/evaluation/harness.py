@@ -110,7 +110,7 @@ class Row:
         return asdict(self)
 
 
-def load_instances(methods, slots: int | None, link, prepare=None) -> tuple[dict, object]:
+def load_instances(methods, slots: int | None, link, prepare=None, fp8: bool = False) -> tuple[dict, object]:
     """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared). ``link``: a
     ``LinkConfig``, seconds per expert copy, or None. ``prepare(model, method)`` runs before the method's decoding
     options are set (``specfit bench`` calibrates a missing cost profile there)."""
@@ -127,7 +127,7 @@ def load_instances(methods, slots: int | None, link, prepare=None) -> tuple[dict
         if isinstance(link, (int, float)):
             link = LinkConfig(seconds_per_expert=link) if link else None
         model, tokenizer = embedded.load(n, cache_mode="cleared" if method.cleared or slots is None else "cached",
-                                         link=link)
+                                         link=link, fp8=fp8)  # fp8: the FP8 variant (embedded.fp8)
         if prepare is not None:
             prepare(model, method)
         if method.options:

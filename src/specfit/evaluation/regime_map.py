@@ -45,14 +45,12 @@ def map_link(link, link_ratio: float, ratio: float):
     (``link.relative`` set) is scaled by its own rule (it is ``DEMAND_TO_COMPUTE`` x compute by definition), so its
     cells keep labels that name the rule; a link given in ms is scaled by the measured ratio."""
     from .. import embedded
-    from ..offload.link import LinkConfig
 
     if ratio <= 0:
         return None
     if link.relative is not None:
-        scale = ratio / (embedded.DEMAND_TO_COMPUTE * link.relative)
-        return replace(link, seconds_per_expert=link.seconds_per_expert * scale, relative=link.relative * scale)
-    return LinkConfig(seconds_per_expert=link.seconds_per_expert * ratio / link_ratio)
+        return embedded.scale_link(link, ratio / (embedded.DEMAND_TO_COMPUTE * link.relative))
+    return embedded.scale_link(link, ratio / link_ratio)
 
 
 def run(args, workloads, link, link_ratio: float, out_dir: Path, prepare=None) -> list[dict]:
@@ -69,7 +67,8 @@ def run(args, workloads, link, link_ratio: float, out_dir: Path, prepare=None) -
         for ratio in args.map_ratios:
             for slots in args.map_slots:
                 cell_link = map_link(link, link_ratio, ratio)
-                instances, _ = load_instances(MAP_METHODS, slots, cell_link, prepare=prepare)
+                instances, _ = load_instances(MAP_METHODS, slots, cell_link, prepare=prepare,
+                                              fp8=getattr(args, "fp8", False))
                 for w, ids in prompts.items():
                     runs = side_by_side(instances, ids, tokens, on_prompt=lambda i: bar.update(1))
                     cells.append(map_cell(ratio, slots, w, len(ids) - 1, runs))

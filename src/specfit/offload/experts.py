@@ -69,7 +69,7 @@ class LayerRuntime:
             else:
                 w = weights[0] if weights is not None else group.weights if group.weights is not None else \
                     self.cache.gather(slots, extra)  # [n, numel]
-                parts = rt.store.layout.split_batch(w)  # one expert's math is the family's: seam
+                parts = rt.store.compute_parts(w)  # weights in the compute dtype (FP8 rows dequantized); the math: seam
                 y = seam.experts_forward_batched(module, x.view(len(experts), plan.width, -1), *parts)
             out.index_copy_(0, dest, y.reshape(-1, hidden))
         for _ in ready:  # the last group's waits are done; close the generator (marks the scratch ring free)

@@ -21,16 +21,20 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from .. import seam
+from .formats import BlockFP8Format, dequantize, stored_format
 from .store import ExpertStore
 
 # hub layouts of routed experts, matched on keys after transformers' renamings (seam.checkpoint_renamer):
 # one tensor per expert (Qwen, DeepSeek, GLM, ...: gate_proj/up_proj/down_proj; Mixtral, PhiMoE: w1/w3/w2),
 # fused 3-D tensors (GPT-OSS bf16, Llama-4: gate_up_proj/down_proj [+ biases]), Granite's input/output_linear
-_PER_EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_FUSED = re.compile(r"^(.+)\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
-_GRANITE = re.compile(r"^(.+)\.(input_linear|output_linear)\.weight$")
+# (block-wise FP8 checkpoints add a `weight_scale_inv` beside each weight, or a `_scale_inv` beside each fused one)
+_PER_EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight(_scale_inv)?$")
+_FUSED = re.compile(r"^(.+)\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)(_scale_inv)?$")
+_GRANITE = re.compile(r"^(.+)\.(input_linear|output_linear)\.weight(_scale_inv)?$")
 _PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "input_linear": "gate_up_proj",
          "output_linear": "down_proj"}
+_FUSED_OF = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "gate_proj_scale_inv": "gate_up_proj_scale_inv",
+             "up_proj_scale_inv": "gate_up_proj_scale_inv"}
 _QUANTIZED_SUFFIXES = ("_blocks", "_scales", "weight_scale_inv", ".qweight", ".scales")
 
 
@@ -76,18 +80,21 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     against its experts) fail in seconds, not after the whole checkpoint has streamed."""
     local = _local_folder(path_or_id)
     config = AutoConfig.from_pretrained(local if local is not None else str(path_or_id), revision=revision)
-    quantized = seam.quantization_method(config)
-    if quantized is not None:
-        raise ValueError(f"{path_or_id}: the checkpoint is quantized ({quantized!r}, e.g. GPT-OSS's MXFP4 experts); "
-                         f"SpecFit's streaming loader reads unquantized (bf16/fp16/fp32) checkpoints only. Use a bf16 "
-                         f"release, or load with transformers (dequantising) and call specfit.enable(model, ...)")
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    stored_dtype = getattr(config, "dtype", None)  # the checkpoint's (from_config below sets the model's)
+    dtype = dtype or stored_dtype or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     layers = seam.moe_layers(model)
+    fmt = stored_format(config, layers[0].layout, dtype, stored_dtype, where=str(path_or_id))
+    if isinstance(fmt, BlockFP8Format):
+        _check_fp8_device(config, device, path_or_id)
+        if layers[0].transposed:
+            raise ValueError(f"{path_or_id}: block-wise FP8 experts of a transposed family "
+                             f"({type(layers[0].experts).__name__}) are not supported")
+        vars(model.config).pop("quantization_config", None)  # as transformers' dequantized model: a plain config
     if check is not None:
         check(model)
     folder = resolve_checkpoint(path_or_id, revision)
@@ -96,7 +103,7 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     for moe in layers:
         seam.release_expert_tensors(moe)  # the store takes their place
     store = ExpertStore(len(layers), num_experts, first.hidden, first.intermediate, dtype, pin=pin,
-                        bias=first.layout.bias)
+                        bias=first.layout.bias, format=fmt)
     paths = {name: module for name, module in model.named_modules()}
     block_index = {}  # MoE block path -> (index among MoE layers, MoELayer)
     for i, moe in enumerate(layers):
@@ -106,10 +113,11 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
     seen = set()
+    halves = {}  # non-expert FP8 linears: weight key -> {"weight": e4m3, "scale": float} until both are read
     for shard in shard_files(folder):
         with safe_open(str(shard), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if key.endswith(_QUANTIZED_SUFFIXES):
+                if key.endswith(_QUANTIZED_SUFFIXES) and not key.endswith(fmt.suffixes):
                     raise ValueError(f"{shard.name}: {key!r} is a quantized tensor (MXFP4 blocks/scales, FP8 scales, "
                                      f"...); SpecFit's streaming loader reads unquantized checkpoints only")
                 if seam.ignored_checkpoint_key(model, key):
@@ -117,7 +125,12 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
                 name = rename(key)
                 expert = _expert_tensor(name, block_index)
                 if expert is None:
-                    _load_tensor(model, known, name, f.get_tensor(key), device, dtype, shard)
+                    tensor = f.get_tensor(key)
+                    if fmt.suffixes and (name.endswith(".weight_scale_inv") or tensor.dtype == torch.float8_e4m3fn):
+                        _fp8_half(model, known, halves, name, tensor.clone(), device, dtype, shard)
+                    else:
+                        _load_tensor(model, known, name, tensor, device, dtype, shard)
+                    del tensor
                     continue
                 i, moe, e, part = expert
                 tensor = f.get_tensor(key)
@@ -139,14 +152,19 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     parts = ("gate_proj", "up_proj", "down_proj")
     if first.layout.bias:
         parts += ("gate_up_proj_bias", "down_proj_bias")
+    parts += tuple(f"{p}_scale_inv" for p in parts if fmt.suffixes)
     paths_of = {i: path for path, (i, _) in block_index.items()}
     for i, moe in enumerate(layers):
         for e in range(num_experts):
             for part in parts:
-                fused = part in ("gate_proj", "up_proj") and (i, e, "gate_up_proj") in seen
+                fused = part in _FUSED_OF and (i, e, _FUSED_OF[part]) in seen
                 if (i, e, part) not in seen and not fused:
                     raise KeyError(f"checkpoint {folder} is missing expert weight "
-                                   f"'{paths_of[i]}.experts.{e}.{part}.weight' (or a fused tensor holding it)")
+                                   f"'{paths_of[i]}.experts.{e}.{_key_of(part)}' (or a fused tensor holding it)")
+    if halves:
+        key, half = next(iter(halves.items()))
+        raise KeyError(f"checkpoint {folder} has {key!r} without its "
+                       f"{'weight_scale_inv' if 'weight' in half else 'FP8 weight'} (block-wise FP8 needs both)")
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
@@ -166,10 +184,52 @@ def _expert_tensor(name: str, block_index: dict):
         m = pattern.match(name)
         if m is not None and m[1] in block_index:
             i, moe = block_index[m[1]]
+            scale = m[m.lastindex] if m.lastindex and m[m.lastindex] == "_scale_inv" else ""
             if pattern is _PER_EXPERT:
-                return i, moe, int(m[2]), _PART.get(m[3], m[3])
-            return i, moe, None, _PART.get(m[2], m[2])
+                return i, moe, int(m[2]), _PART.get(m[3], m[3]) + scale
+            return i, moe, None, _PART.get(m[2], m[2]) + scale
     return None
+
+
+def _key_of(part: str) -> str:
+    """A store part's checkpoint key suffix: ``gate_proj`` -> ``gate_proj.weight``, ``gate_proj_scale_inv`` ->
+    ``gate_proj.weight_scale_inv`` (biases are keys of their own)."""
+    if part.endswith("_bias"):
+        return part
+    if part.endswith("_scale_inv"):
+        return part[: -len("_scale_inv")] + ".weight_scale_inv"
+    return part + ".weight"
+
+
+def _check_fp8_device(config, device: torch.device, where) -> None:
+    """SpecFit computes FP8 experts as transformers does where it dequantizes them (a CPU, a GPU below compute
+    capability 8.9, or ``dequantize=True``); on a GPU where transformers runs its FP8 kernels it would not compute
+    the same, so it refuses rather than differ from the model a user would otherwise run."""
+    q = getattr(config, "quantization_config", None)
+    dequantized = bool(q.get("dequantize", False) if isinstance(q, dict) else getattr(q, "dequantize", False))
+    if device.type == "cpu" or dequantized:
+        return
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return
+    raise ValueError(f"{where}: a block-wise FP8 checkpoint on {device} (compute capability >= 8.9), where "
+                     f"transformers computes with its FP8 kernels; SpecFit reproduces only its dequantizing path "
+                     f"(CPUs, GPUs below 8.9, or quantization_config.dequantize=true in config.json) so far")
+
+
+def _fp8_half(model, known: set, halves: dict, name: str, tensor: torch.Tensor, device, dtype, shard: Path) -> None:
+    """One half of a non-expert FP8 linear (its e4m3 ``weight`` or its ``weight_scale_inv``); once both are read
+    the weight is dequantized into ``dtype`` as transformers does at load, and loaded."""
+    scale = name.endswith(".weight_scale_inv")
+    key = name[: -len("_scale_inv")] if scale else name
+    half = halves.setdefault(key, {})
+    half["scale" if scale else "weight"] = tensor
+    if len(half) == 2:
+        del halves[key]
+        w, s = half["weight"], half["scale"]
+        if w.shape[-2] % s.shape[-2] or w.shape[-1] % s.shape[-1]:
+            raise ValueError(f"{shard.name}: {key}_scale_inv has shape {tuple(s.shape)}, which does not tile "
+                             f"{key} {tuple(w.shape)} in whole blocks")
+        _load_tensor(model, known, key, dequantize(w, s, dtype), device, dtype, shard)
 
 
 def _load_tensor(model, known: set, key: str, tensor: torch.Tensor, device, dtype, shard: Path) -> None:

@@ -37,7 +37,7 @@ class SpecFitRuntime:
                        for i in range(num_layers)]
         self.staging = Staging(self.device)  # index lists reach the device without a host sync
         # experts grouped over all slots where the device can (CUDA, bf16): no per-layer copy of gathered weights
-        self.grouped_experts = choose_experts_path(self.device, store.dtype, store.layout)
+        self.grouped_experts = store.rows_are_weights and choose_experts_path(self.device, store.dtype, store.layout)
         self.forward_counters = Counters()
         # one call at a time on this model: the slot LRU, the counters, the route recorder, the drafter's features
         # and the pending assistant request are per model (reentrant: generate() holds it across its forwards)
