@@ -39,7 +39,7 @@ def cell(slots: int, link, prompts: list[str], tokens: int, methods=METHODS) -> 
     t0 = time.perf_counter()
     result = comparison.run(models, tokenizer, prompts, methods, max_new_tokens=tokens)
     rows = result.table(False)
-    out = {"slots": slots, "link_s": link.seconds_per_expert if hasattr(link, "seconds_per_expert") else link,
+    out = {"slots": slots, "link_s": None if link is None else embedded.link_seconds_per_expert(link),
            "prompts": len(prompts), "tokens": tokens, "wall_s": time.perf_counter() - t0, "rows": rows}
     by = {r["method"]: r for r in rows}
     oracle = result.counters["acceptance-oracle"] if "acceptance-oracle" in result.counters else None
@@ -69,7 +69,7 @@ def main() -> None:
     from specfit import embedded
 
     link = embedded.default_link(args.link_ratio) if args.link_ratio > 0 else None
-    print(f"link: {link.label if link else 'none'} ({link.seconds_per_expert * 1e3:.3f} ms per bf16 expert copy)"
+    print(f"link: {link.label} ({embedded.link_seconds_per_expert(link) * 1e3:.3f} ms per bf16 expert copy)"
           if link else "link: none", flush=True)
     results = []
     for workload, n in (("gsm8k", args.gsm8k), ("cnn", args.cnn)):

@@ -69,6 +69,12 @@ def load(cache_slots: int, *, drafter: bool = True, dtype=None, fp8: bool = Fals
     return model, AutoTokenizer.from_pretrained(TARGET_DIR)
 
 
+def is_embedded(model) -> bool:
+    """Whether ``model`` is the embedded model or its FP8 variant (as ``load`` names them)."""
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    return name == MODEL_ID or Path(name).name.startswith("target-fp8-")
+
+
 def advise_threads(threads: int) -> None:
     """Warn once per process (``ThreadsNotice``) when ``threads`` CPU threads would slow the embedded model."""
     global _threads_noticed

@@ -215,17 +215,12 @@ def probe_links(model, link=None) -> list:
     if runtime.device.type == "cuda":
         return [None]
     link = link if link is not None else runtime.config.link
-    if link is None and model_id(model) == _embedded_id():
+    if link is None:
         from .. import embedded
 
-        link = embedded.default_link()
+        if embedded.is_embedded(model):
+            link = embedded.default_link()
     return [None] if link is None else [None, link]
-
-
-def _embedded_id() -> str:
-    from ..embedded import MODEL_ID
-
-    return MODEL_ID
 
 
 def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"], repeats: int = PROBES["repeats"],
@@ -409,6 +404,8 @@ def _level_seconds(per_config: list[list[list[float]]]) -> tuple[float, ...]:
 # --- the command ------------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the embedded model)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the embedded model's FP8 variant (a model of its own: its profile is filed apart)")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the embedded drafter)")
     p.add_argument("--slots", type=int, default=None,
                    help="expert slots per MoE layer on the device (default: 3/8 of the model's experts per layer, "
@@ -669,6 +666,9 @@ def _load(args):
         args.slots = default_slots(AutoConfig.from_pretrained(args.model or embedded.TARGET_DIR))
         print(f"--slots not given: {args.slots} slots per MoE layer (3/8 of the model's experts, as the paper's 48 of "
               f"128)", flush=True)
+    if getattr(args, "fp8", False) and args.model is not None:
+        raise ValueError("--fp8 picks the embedded model's FP8 variant; for a checkpoint of your own give --model "
+                         "FOLDER alone (its config says how its experts are stored)")
     if args.default_link is not None and args.link_ms:
         raise ValueError("give --link-ms or --default-link, not both")
     if args.default_link is not None:
@@ -678,7 +678,7 @@ def _load(args):
     kw = dict(cache_mode=args.cache_mode, link=link)
     if args.model is None:
 
-        model, tokenizer = embedded.load(args.slots, **kw)
+        model, tokenizer = embedded.load(args.slots, fp8=getattr(args, "fp8", False), **kw)
         if args.drafter:
             from ..patch import set_drafter
 
