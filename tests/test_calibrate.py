@@ -13,7 +13,8 @@ from conftest import SelfDrafter, tiny_moe
 import specfit
 from specfit.evaluation import calibrate as calibrate_module
 from specfit.evaluation.calibrate import Calibration, calibrate, install, random_subtree, schedule
-from specfit.selection.cost_model import CostModel, ProfileError, Record, profile_path
+from specfit.selection.cost_model import CostModel, Record
+from specfit.selection.profile_files import ProfileError, profile_path
 from specfit.selection.fit_quality import REMEDY, Pool, assess
 from specfit.selection.profiles import device_name, model_id, model_key, profile_key, resolve_cost_model
 from specfit.selection.route_sources import Cycle, oracle_routes

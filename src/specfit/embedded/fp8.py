@@ -61,7 +61,7 @@ def folder() -> Path:
     """The FP8 variant in the user cache, built on first use (named by a digest of the shipped weights, so a new
     embedded model gets a new variant)."""
     from . import TARGET_DIR
-    from ..selection.cost_model import cache_root
+    from ..selection.profile_files import cache_root
 
     digest = hashlib.sha256()
     with open(TARGET_DIR / "model.safetensors", "rb") as f:

@@ -234,7 +234,7 @@ def _ensure_profile(model, tokenizer) -> None:
     """SpecFit needs a cost profile for this machine, slot count, cache mode and link; calibrate one if missing."""
     from . import datasets
     from .calibrate import PROBES, calibrate, describe, install
-    from ..selection.cost_model import profile_path
+    from ..selection.profile_files import profile_path
     from ..selection.profiles import find_profile, profile_key
 
     if find_profile(model) is not None:

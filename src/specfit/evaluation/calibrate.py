@@ -49,7 +49,8 @@ import torch
 from ..decoding.assistants import Eagle3Generator
 from ..drafting.tree import DraftTree
 from ..offload.link import EmulatedLink
-from ..selection.cost_model import CostModel, Record, profile_path
+from ..selection.cost_model import CostModel, Record
+from ..selection.profile_files import profile_path
 from ..selection.fit_quality import REMEDY, Pool, assess
 from ..selection.profiles import device_name, link_seconds, model_id, model_key, profile_key
 from ..selection.route_sources import ROUTE_SOURCES, choose_route_source, oracle_routes

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .cost_model import FORMAT, CostModel, ProfileError, profile_path
+from .cost_model import CostModel
+from .profile_files import FORMAT, ProfileError, profile_path
 from .fit_quality import REMEDY
 
 
