@@ -81,6 +81,17 @@ def test_the_seam_imports_nothing_of_specfit():
     assert GRAPH["specfit.seam"] == set()
 
 
+def test_the_counters_import_nothing_above_them():
+    """``specfit.stats`` is a room of the ground floor: its modules import only each other, and its renderings
+    (``display``) read counters duck-typed, importing nothing of ours, so ``counters -> display`` is no circle."""
+    stats = [name for name in MODULES if name == "specfit.stats" or name.startswith("specfit.stats.")]
+    assert "specfit.stats.counters" in stats and "specfit.stats.display" in stats
+    for name in stats:
+        outside = [dep for dep in GRAPH[name] if not dep.startswith("specfit.stats.")]
+        assert not outside, f"{name} imports outside specfit.stats: {outside}"
+    assert GRAPH["specfit.stats.display"] == set()
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_dependencies_point_down(name):
     upward = [dep for dep in GRAPH[name] if layer_of(dep) > layer_of(name)]
