@@ -24,7 +24,7 @@ fall with ``n``: the fit solves non-negative least squares on the *increments* `
 
 No torch here. The fit itself (monotone NNLS) is in ``specfit.selection.cost_fit``, the profile files (their format,
 checks and paths) in ``specfit.selection.profile_files``; the probes that produce the records are defined in
-``specfit.evaluation.calibrate``, and the checks of a fit's quality in ``specfit.selection.fit_quality``.
+``specfit.evaluation.probes``, and the checks of a fit's quality in ``specfit.selection.fit_quality``.
 """
 
 from __future__ import annotations
