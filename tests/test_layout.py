@@ -78,7 +78,14 @@ def test_every_module_belongs_to_a_layer_and_imports_alone():
 
 
 def test_the_seam_imports_nothing_of_specfit():
+    """The seam is the ground floor: its faces (one module each) import only each other, and the package itself
+    imports none of them (a caller imports the face it uses)."""
     assert GRAPH["specfit.seam"] == set()
+    faces = [name for name in MODULES if name.startswith("specfit.seam.")]
+    assert {"specfit.seam.layers", "specfit.seam.kv_cache", "specfit.seam.experts"} <= set(faces)
+    for name in faces:
+        outside = [dep for dep in GRAPH[name] if not dep.startswith("specfit.seam.")]
+        assert not outside, f"{name} imports outside the seam: {outside}"
 
 
 def test_the_counters_import_nothing_above_them():
