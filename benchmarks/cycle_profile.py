@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 
 import specfit
-from specfit import embedded, seam
+from specfit import embedded
 from specfit.decoding import acceptance, assistants, loop
 from specfit.drafting import drafter as drafter_module
 from specfit.drafting import levels, tree
 from specfit.evaluation import datasets
 from specfit.evaluation.harness import METHODS, link_seconds, load_instances
 from specfit.offload import experts, link
+from specfit.seam import kv_cache
 from specfit.selection import route_predictor, route_sources, selector
 from specfit.stats import GenerateScope
 
@@ -52,7 +53,7 @@ PARTS = {
     "verify forward: experts function": [(experts.LayerRuntime, "forward")],
     "verify forward: emulated link wait": [(link.EmulatedLink, "wait")],
     "acceptance": [(loop, "walk"), (loop, "walk_greedy")],
-    "KV compaction": [(seam, "keep_kv"), (seam, "crop_kv")],
+    "KV compaction": [(kv_cache, "keep_kv"), (kv_cache, "crop_kv")],
     "commit, stopping criteria": [(loop._Run, "commit")],
 }
 TARGET_FORWARD = "verify forward: attention and other dense"

@@ -21,11 +21,11 @@ H, I, BLOCK, TOP_K = 2048, 768, (128, 128), 8
 
 
 def stores(experts: int, pin: bool):
-    from specfit import seam
+    from specfit.seam import layers as hf_layers
     from specfit.offload.formats import BlockFP8Format, quantize
     from specfit.offload.store import ExpertStore
 
-    layout = seam.ExpertLayout(H, I)
+    layout = hf_layers.ExpertLayout(H, I)
     bf16 = ExpertStore(1, experts, H, I, torch.bfloat16, pin=pin)
     fp8 = ExpertStore(1, experts, H, I, torch.bfloat16, pin=pin, format=BlockFP8Format(layout, BLOCK, torch.bfloat16))
     g = torch.Generator().manual_seed(0)
@@ -72,9 +72,9 @@ def main() -> None:
         rows = slots[torch.arange(TOP_K, device=device) % args.experts]  # [8, row]: 8 resident experts
 
         def layer():
-            from specfit import seam
+            from specfit.seam import experts as hf_experts
 
-            return seam.experts_forward_batched(experts, x, *store.compute_parts(rows))
+            return hf_experts.experts_forward_batched(experts, x, *store.compute_parts(rows))
 
         seconds = timed(layer, device, args.repeats)
         print(json.dumps(dict(row="fp8 decode", experts=name, device=str(device), top_k=TOP_K,

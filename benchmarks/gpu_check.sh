@@ -196,7 +196,7 @@ base = Version(torch.__version__.split("+")[0])
 if base < Version("2.6"):
     sys.exit(f"FAIL: torch {torch.__version__} is too old: SpecFit needs >= 2.6 (pyproject.toml)")
 if getattr(torch.nn.functional, "grouped_mm", None) is None and getattr(torch, "_grouped_mm", None) is None:
-    sys.exit(f"FAIL: torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm (specfit/seam.py)")
+    sys.exit(f"FAIL: torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm (specfit/seam/experts.py)")
 print(f"torch {torch.__version__}: >= 2.6, grouped matmul as "
       f"{'F.grouped_mm' if getattr(torch.nn.functional, 'grouped_mm', None) else 'torch._grouped_mm'}"
       f"{'' if base.release[:2] == (2, 13) else ' (not the 2.13 the CPU tests run on: the image has its own)'}")

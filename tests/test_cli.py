@@ -154,7 +154,7 @@ def test_an_unreachable_hub_is_reported_at_once_with_where_to_get_the_data(monke
 def test_the_user_cache_is_the_platforms(monkeypatch, tmp_path):
     import platformdirs
 
-    from specfit.selection.cost_model import cache_root
+    from specfit.selection.profile_files import cache_root
 
     monkeypatch.delenv("SPECFIT_CACHE", raising=False)
     monkeypatch.setattr(platformdirs, "user_cache_dir", lambda name, appauthor=None: str(tmp_path / name))

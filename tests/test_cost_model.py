@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import specfit.selection.cost_model
-from specfit.selection.cost_model import CostModel, ProfileError, Record, profile_dir, profile_path
+import specfit.selection.profile_files
+from specfit.selection.cost_model import CostModel, Record
+from specfit.selection.profile_files import ProfileError, profile_dir, profile_path
 
 REFERENCE = Path(__file__).resolve().parents[1] / "calibration" / "paper_reference.json"
 
@@ -282,7 +284,8 @@ def test_default_is_the_papers_a100_beta_with_flat_placeholder_intercepts():
 
 
 def test_docstring_examples_run():
-    assert doctest.testmod(specfit.selection.cost_model).failed == 0
+    for module in (specfit.selection.cost_model, specfit.selection.profile_files):
+        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 # ---- profiles ------------------------------------------------------------------------------------------------------

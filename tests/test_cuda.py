@@ -399,9 +399,9 @@ def test_bf16_experts_run_grouped_over_the_slots_and_match_the_gathered_path():
 
 
 def seam_moe_experts(model):
-    from specfit import seam
+    from specfit.seam import layers as hf_layers
 
-    return seam.moe_layers(model)[0].experts
+    return hf_layers.moe_layers(model)[0].experts
 
 
 # --- the loader ---------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from families import FAMILIES, HYBRID, tiny
 from transformers import DynamicCache
 
 import specfit
-from specfit import seam
+from specfit.seam import layers as hf_layers, routers
 from specfit.selection.cost_model import CostModel
 from specfit.selection.route_predictor import RoutePredictor
 
@@ -35,7 +35,7 @@ def test_offload_exact_at_every_slot_count_and_disable_restores(family):
     model = tiny(family)
     ids = torch.randint(2, 128, (1, 11), generator=torch.Generator().manual_seed(1))
     ref, before = logits(model, ids), state(model)
-    num_experts = seam.moe_layers(model)[0].num_experts
+    num_experts = hf_layers.moe_layers(model)[0].num_experts
     for slots in sorted({1, 2, num_experts}):
         specfit.enable(model, cache_slots=slots)
         assert not any(name in dict(model.named_parameters()) for name in before if ".experts." in name)
@@ -54,7 +54,7 @@ def test_offload_exact_at_every_slot_count_and_disable_restores(family):
 def test_gate_route_source_reproduces_the_routers_routes(family):
     """The 'gate' predictor applied to each MoE layer's router input gives that layer's true routes."""
     model = tiny(family)
-    layers = seam.moe_layers(model)
+    layers = hf_layers.moe_layers(model)
     inputs = {}
     hooks = [m.gate.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0].reshape(
         -1, args[0].shape[-1]))) for i, m in enumerate(layers)]
@@ -125,15 +125,15 @@ def test_unknown_router_is_refused_by_the_gate_source():
     class MyRouter(torch.nn.Linear):
         top_k = 2
 
-    moe = seam.MoELayer(0, torch.nn.Module(), MyRouter(4, 8))
+    moe = hf_layers.MoELayer(0, torch.nn.Module(), MyRouter(4, 8))
     with pytest.raises(ValueError, match="does not know how MyRouter selects experts"):
-        seam.router_rule(moe)
+        routers.router_rule(moe)
 
 
 def test_route_predictor_keeps_its_rule_through_save_and_load(tmp_path):
     model = tiny("deepseek_v3")
     with torch.no_grad():
-        for m in seam.moe_layers(model):
+        for m in hf_layers.moe_layers(model):
             m.gate.e_score_correction_bias.normal_()
     head = RoutePredictor.from_gates(model)
     assert (head.scoring, head.n_group, head.topk_group, head.group_score) == ("sigmoid", 4, 2, "top2")

@@ -5,10 +5,10 @@ crashing mid-forward (issue 29, 2)."""
 import pytest
 import torch
 
-from specfit import seam
+from specfit.seam import experts as hf_experts
 from specfit.offload import experts
 from specfit.offload.experts import choose_experts_path, grouped_self_check, grouped_shape_problem
-from specfit.seam import ExpertLayout
+from specfit.seam.layers import ExpertLayout
 
 
 @pytest.mark.parametrize("hidden, intermediate, bad", [(2048, 768, None), (80, 16, None), (64, 32, None),
@@ -31,7 +31,7 @@ def test_the_self_check_passes_where_grouped_matmuls_are_right():
 
 def wrong_for(k: int):
     """A grouped matmul that is wrong only when its inner size is ``k`` (one projection's)."""
-    original = seam.grouped_mm
+    original = hf_experts.grouped_mm
 
     def grouped_mm(x, weight, offs):
         out = original(x, weight, offs)
@@ -44,7 +44,7 @@ def wrong_for(k: int):
 def test_the_self_check_runs_both_projections(monkeypatch, projection, k):
     """A grouped matmul wrong only in the down projection (inner size I) fails the check too, as one wrong only in
     gate_up (inner size H) does."""
-    monkeypatch.setattr(seam, "grouped_mm", wrong_for(k))
+    monkeypatch.setattr(hf_experts, "grouped_mm", wrong_for(k))
     problem = grouped_self_check(torch.device("cpu"), torch.bfloat16, ExpertLayout(64, 32))
     assert problem == f"the grouped {projection} matmul on a slot view disagrees with per-expert matmuls"
 
@@ -53,7 +53,7 @@ def test_a_grouped_matmul_that_raises_is_reported_not_raised(monkeypatch):
     def broken(x, weight, offs):
         raise RuntimeError("stride must be a multiple of 16 bytes")
 
-    monkeypatch.setattr(seam, "grouped_mm", broken)
+    monkeypatch.setattr(hf_experts, "grouped_mm", broken)
     problem = grouped_self_check(torch.device("cpu"), torch.bfloat16, ExpertLayout(64, 32))
     assert "grouped gate_up matmul failed on this device: RuntimeError: stride" in problem
     assert experts.grouped_shape_problem(64, 32) is None

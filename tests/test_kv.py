@@ -1,12 +1,12 @@
-"""Phase 5, compaction: ``seam.keep_kv`` on caches whose every written entry carries a code of its own, so the kept
-keys and values are read back exactly (dynamic full and sliding-window layers, static layers)."""
+"""Phase 5, compaction: ``seam.kv_cache.keep_kv`` on caches whose every written entry carries a code of its own, so
+the kept keys and values are read back exactly (dynamic full and sliding-window layers, static layers)."""
 
 import pytest
 import torch
 from conftest import tiny_moe_config
 from transformers import DynamicCache, StaticCache
 
-from specfit import seam
+from specfit.seam import kv_cache
 
 KV_HEADS, HEAD_DIM, WINDOW = 2, 16, 6
 # cycles after a 9-token prefix: (codes the tree forward writes, tree indices accepted: the root, then a path)
@@ -42,15 +42,15 @@ def test_keep_kv_keeps_the_accepted_entries_in_order(kind):
                        use_sliding_window=True) if kind == "sliding" else {}
         cache = DynamicCache(config=tiny_moe_config(num_hidden_layers=2, **sliding))
         if kind == "sliding":
-            cache.activate_past_recording()  # as seam.ensure_room does: the tree forward evicts nothing
+            cache.activate_past_recording()  # as kv_cache.ensure_room does: the tree forward evicts nothing
     committed = list(range(9))
     write(cache, committed)
     for written, keep in CYCLES:
         base = len(committed)
         write(cache, written)
-        seam.keep_kv(cache, base, torch.tensor(keep))
+        kv_cache.keep_kv(cache, base, torch.tensor(keep))
         committed += [written[t] for t in keep]
-        assert seam.kv_length(cache) == len(committed)
+        assert kv_cache.kv_length(cache) == len(committed)
         for layer, cache_layer in enumerate(cache.layers):
             if kind == "sliding" and layer == 0:
                 assert cache_layer.keys.shape[-2] == WINDOW - 1

@@ -78,7 +78,25 @@ def test_every_module_belongs_to_a_layer_and_imports_alone():
 
 
 def test_the_seam_imports_nothing_of_specfit():
+    """The seam is the ground floor: its faces (one module each) import only each other, and the package itself
+    imports none of them (a caller imports the face it uses)."""
     assert GRAPH["specfit.seam"] == set()
+    faces = [name for name in MODULES if name.startswith("specfit.seam.")]
+    assert {"specfit.seam.layers", "specfit.seam.kv_cache", "specfit.seam.experts"} <= set(faces)
+    for name in faces:
+        outside = [dep for dep in GRAPH[name] if not dep.startswith("specfit.seam.")]
+        assert not outside, f"{name} imports outside the seam: {outside}"
+
+
+def test_the_counters_import_nothing_above_them():
+    """``specfit.stats`` is a room of the ground floor: its modules import only each other, and its renderings
+    (``display``) read counters duck-typed, importing nothing of ours, so ``counters -> display`` is no circle."""
+    stats = [name for name in MODULES if name == "specfit.stats" or name.startswith("specfit.stats.")]
+    assert "specfit.stats.counters" in stats and "specfit.stats.display" in stats
+    for name in stats:
+        outside = [dep for dep in GRAPH[name] if not dep.startswith("specfit.stats.")]
+        assert not outside, f"{name} imports outside specfit.stats: {outside}"
+    assert GRAPH["specfit.stats.display"] == set()
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -12,7 +12,8 @@ import specfit
 from specfit import embedded
 from specfit.offload import loader
 from specfit.offload.link import LinkConfig
-from specfit.selection.cost_model import CostModel, ProfileError, profile_path
+from specfit.selection.cost_model import CostModel
+from specfit.selection.profile_files import ProfileError, profile_path
 from specfit.selection.profiles import profile_key
 
 PROMPT = torch.randint(2, 256, (1, 7), generator=torch.Generator().manual_seed(5))

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import SelfDrafter, tiny_moe
-from test_calibrate import random_drafter
+from test_probes import random_drafter
 
 import specfit
-from specfit.evaluation.calibrate import calibrate
+from specfit.evaluation.probes import calibrate
 from specfit.selection.cost_model import CostModel
 from specfit.patch import configure
 from specfit.selection.route_predictor import RoutePredictor, recall

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 from conftest import SelfDrafter, tiny_moe
-from test_calibrate import random_drafter
+from test_probes import random_drafter
 
 import specfit
 from specfit import embedded

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import seam
+from .seam import experts as hf_experts, kv_cache, layers as hf_layers
 from .decoding.options import DecodingOptions
 from .decoding.strategy import install_generation_strategy, remove_generation_strategy
 from .drafting.capture import AuxCapture
@@ -58,7 +58,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     # every setting is checked before the model is touched
     _check_keywords(decoding, DECODING_KEYWORDS, "specfit.enable", named=enable)
     _decoding_options(decoding)
-    layers = seam.moe_layers(model)
+    layers = hf_layers.moe_layers(model)
     first = layers[0]
     num_experts = first.num_experts
     _check_slots(cache_slots, num_experts)
@@ -72,30 +72,32 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     # them, so they come back on the compute device, beside the rest of the model
     param_device, param_dtype, requires_grad = device, None, False
     if store is None:
-        gate_up = seam.expert_param(first)
+        gate_up = hf_layers.expert_param(first)
         param_device, param_dtype, requires_grad = gate_up.device, gate_up.dtype, gate_up.requires_grad
         store = ExpertStore(len(layers), num_experts, first.hidden, first.intermediate, gate_up.dtype, pin=pin,
                             bias=first.layout.bias)
         for i, moe in enumerate(layers):
             with torch.no_grad():
-                store.write_fused(i, *seam.expert_tensors(moe))
-            seam.release_expert_tensors(moe)  # released: the store holds the only copy
+                store.write_fused(i, *hf_layers.expert_tensors(moe))
+            hf_layers.release_expert_tensors(moe)  # released: the store holds the only copy
     elif store.layout != first.layout:
         raise ValueError(f"the store holds experts of layout {store.layout}, the model's are {first.layout}")
 
     runtime = SpecFitRuntime(store, config, device)
     for moe, layer_rt in zip(layers, runtime.layers):
         setattr(moe.experts, ATTR, layer_rt)
-    previous_impl = seam.experts_implementation(model)
-    seam.set_experts_implementation(model, seam.EXPERTS_IMPL, specfit_experts_forward)
-    seam.route_blocks(layers, specfit_experts_forward)  # experts outside transformers' interface (Llama-4)
+    previous_impl = hf_experts.experts_implementation(model)
+    hf_experts.set_experts_implementation(model, hf_experts.EXPERTS_IMPL, specfit_experts_forward)
+    hf_layers.route_blocks(layers, specfit_experts_forward)  # experts outside transformers' interface (Llama-4)
     base = model.model
-    selected = seam.experts_implementation(model)  # "specfit" (a family whose experts SpecFit routes keeps its own)
+    # "specfit" (a family whose experts SpecFit routes keeps its own)
+    selected = hf_experts.experts_implementation(model)
 
     def check_experts_implementation():
-        if seam.experts_implementation(model) != selected:  # changed on a submodel, or in the config directly
-            raise RuntimeError(f"the experts implementation was changed to {seam.experts_implementation(model)!r} "
-                               f"while SpecFit holds the experts in host memory; only {seam.EXPERTS_IMPL!r} can run "
+        now = hf_experts.experts_implementation(model)
+        if now != selected:  # changed on a submodel, or in the config directly
+            raise RuntimeError(f"the experts implementation was changed to {now!r} while SpecFit holds the experts in "
+                               f"host memory; only {hf_experts.EXPERTS_IMPL!r} can run "
                                f"them. Call specfit.disable(model) first, then change it")
 
     _serialize_forward(base, runtime, check_experts_implementation)  # one forward at a time, from any thread
@@ -133,13 +135,13 @@ def _disable(model: nn.Module, runtime) -> nn.Module:
     moves.remove(model)
     vars(model.model).pop("forward", None)  # the serialized forward: the class's own is back
     remove_generation_strategy(model, r["original_class"])
-    seam.set_experts_implementation(model, r["previous_impl"])
-    layers = seam.moe_layers(model)
-    seam.unroute_blocks(layers)
+    hf_experts.set_experts_implementation(model, r["previous_impl"])
+    layers = hf_layers.moe_layers(model)
+    hf_layers.unroute_blocks(layers)
     for i, moe in enumerate(layers):
         if hasattr(moe.experts, ATTR):
             delattr(moe.experts, ATTR)
-        seam.restore_expert_tensors(moe, runtime.store.tensors(i), r["param_device"], r["param_dtype"],
+        hf_layers.restore_expert_tensors(moe, runtime.store.tensors(i), r["param_device"], r["param_dtype"],
                                     r["requires_grad"])
     runtime.store.release()
     del model.specfit
@@ -192,7 +194,7 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
     _check_link_device(link, device)
 
     def check(skeleton):  # the model without weights, before the checkpoint's shards are read
-        _check_slots(cache_slots, seam.moe_layers(skeleton)[0].num_experts)
+        _check_slots(cache_slots, hf_layers.moe_layers(skeleton)[0].num_experts)
 
     model, store, device = load_offloaded(path_or_id, dtype=dtype, device=device, revision=revision, pin=pin,
                                           check=check)
@@ -325,7 +327,7 @@ def set_drafter(model, drafter) -> None:
     wrote to the user cache for it, else the folder's own ``acceptance.json`` (``selection/acceptance_cache.py``);
     without either, or for a module, SpecFit starts from the default prior (``AcceptanceTables.default()``)."""
     runtime = model.specfit
-    seam.check_layer_types(model)  # assistants need KV-attention layers: refuse hybrids before any work
+    kv_cache.check_layer_types(model)  # assistants need KV-attention layers: refuse hybrids before any work
     if runtime.aux_capture is not None:
         runtime.aux_capture.remove()
     tables = None

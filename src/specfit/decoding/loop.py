@@ -17,7 +17,7 @@ import torch
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from .. import seam
+from ..seam import generation, kv_cache, layers as hf_layers
 from ..drafting.tree import verify_layout
 from ..transfer import to_host
 from ..selection.route_sources import Cycle
@@ -43,7 +43,7 @@ def generate_arguments(args, kwargs) -> dict:
 
 def call_config(model, named: dict):
     """The generation config the call with arguments ``named`` runs with (``generate_arguments``)."""
-    return seam.call_generation_config(model, named.get("generation_config"),
+    return generation.call_generation_config(model, named.get("generation_config"),
                                        **{k: v for k, v in named.items() if k not in _GENERATE_PARAMETERS})
 
 
@@ -51,7 +51,7 @@ def check_generate_arguments(model, args, kwargs) -> None:
     """Refuse, before any work, what assistant decoding cannot do."""
     if getattr(model, "specfit", None) is None:
         try:
-            span = f"1..{seam.moe_layers(model)[0].num_experts}"
+            span = f"1..{hf_layers.moe_layers(model)[0].num_experts}"
         except ValueError as err:  # not a model SpecFit can offload: say that instead
             raise RuntimeError(f"assistant= needs SpecFit, which cannot run this model: {err}") from None
         raise RuntimeError(f"assistant= needs SpecFit enabled on the model first: specfit.enable(model, cache_slots=N, "
@@ -85,8 +85,8 @@ def check_generate_arguments(model, args, kwargs) -> None:
             raise ValueError(f"assistant decoding does not support {name}= (pass input_ids; prefill in one piece)")
     cache = named.get("cache", named.get("past_key_values"))
     if cache is not None:
-        seam.check_cache(cache)
-    seam.check_attention(model)
+        kv_cache.check_cache(cache)
+    kv_cache.check_attention(model)
     ids = named.get("inputs") if named.get("inputs") is not None else named.get("input_ids")
     if isinstance(ids, torch.Tensor):
         check_input_ids(model, ids)
@@ -124,12 +124,12 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
     if mask is not None and not bool(mask.all()):
         raise ValueError("assistant decoding takes an unpadded prompt (attention_mask has zeros)")
     cache = model_kwargs["cache"]
-    seam.check_cache(cache)
-    cache = seam.ensure_room(model, cache, generation_config.max_length + runtime.options.pool_nodes + 1)
+    kv_cache.check_cache(cache)
+    cache = kv_cache.ensure_room(model, cache, generation_config.max_length + runtime.options.pool_nodes + 1)
     do_sample = bool(generation_config.do_sample)
     gen = assistant(model)
     run = _Run(input_ids, logits_processor, stopping_criteria, generation_config, streamer, runtime.staging)
-    dtype, staging = seam.compute_dtype(model), runtime.staging
+    dtype, staging = hf_layers.compute_dtype(model), runtime.staging
     scope = runtime.stats.begin_generate()
 
     # 0. prefill: the prompt's KV and features; its last logits give the first token (the first root)
@@ -149,10 +149,10 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         tree = gen.draft(cycle)  # 1. draft
         nodes = gen.select(tree, cycle)  # 2. select
         t_drafted = time.perf_counter()
-        layout = verify_layout(tree, nodes, cycle.root, kv, seam.kv_capacity(cache, len(nodes) + 1, kv), dtype,
+        layout = verify_layout(tree, nodes, cycle.root, kv, kv_cache.kv_capacity(cache, len(nodes) + 1, kv), dtype,
                                staging)
         masks = None if layout.mask is None else \
-            seam.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
+            kv_cache.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
         out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=masks,
                     use_cache=True, logits_to_keep=0)  # 3. verify
         verify = runtime.stats.last_forward
@@ -169,9 +169,9 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         prefix = kept == list(range(len(kept)))
         kept_d = None if prefix else staging.to_device(kept)
         if prefix:  # 5. compact: the path is a prefix of the layout, so cropping suffices
-            seam.crop_kv(cache, kv + len(kept), current=kv + len(tokens))
+            kv_cache.crop_kv(cache, kv + len(kept), current=kv + len(tokens))
         else:
-            seam.keep_kv(cache, kv, kept_d)
+            kv_cache.keep_kv(cache, kv, kept_d)
         kv += len(kept)
         committed = run.commit(acc)  # 6. observe
         if not run.done:
@@ -182,7 +182,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
                     misses=verify.misses, seconds=time.perf_counter() - t0, measurement=cycle.measurement_seconds,
                     draft_seconds=t_drafted - t0, expected=gen.expected_tokens, predicted=gen.predicted_seconds)
 
-    seam.crop_kv(cache, run.length - 1, current=kv)  # tokens cut by the stopping criteria leave no KV behind
+    kv_cache.crop_kv(cache, run.length - 1, current=kv)  # tokens cut by the stopping criteria leave no KV behind
     scope.end(new_tokens=run.length - input_ids.shape[1])
     if streamer is not None:
         streamer.end()
@@ -201,7 +201,7 @@ class _Run:
         self.config, self.streamer, self.staging = generation_config, streamer, staging
         self.tokens: list[int] = input_ids[0].tolist()  # one read per call
         self._ids, self._synced = input_ids, len(self.tokens)  # device ids [1, synced]
-        self.host_stop = seam.host_stopping(stopping_criteria)  # None: the criteria read device ids
+        self.host_stop = generation.host_stopping(stopping_criteria)  # None: the criteria read device ids
         # greedy with no logits processor and no raw logits kept: the scores are the logits themselves
         self.plain_greedy = not generation_config.do_sample and len(logits_processor) == 0 and \
             not generation_config.output_logits

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .. import seam
+from ..seam import experts as hf_experts
 from .assistants import resolve_assistant
 from .loop import SAMPLE_MODES, call_config, check_generate_arguments, decode, generate_arguments
 
@@ -96,11 +96,11 @@ class SpecFitGenerationMixin:
         """While SpecFit is enabled the experts live in its host store and only its experts implementation can run
         them: refuse any other, before anything changes."""
         runtime = getattr(self, "specfit", None)
-        if runtime is not None and experts_implementation != seam.EXPERTS_IMPL:
+        if runtime is not None and experts_implementation != hf_experts.EXPERTS_IMPL:
             raise ValueError(f"set_experts_implementation({experts_implementation!r}): SpecFit is enabled on this "
                              f"model, its experts live in host memory and run only through the "
-                             f"{seam.EXPERTS_IMPL!r} experts implementation. Call specfit.disable(model) first (it "
-                             f"restores the experts as parameters), then set the implementation")
+                             f"{hf_experts.EXPERTS_IMPL!r} experts implementation. Call specfit.disable(model) first "
+                             f"(it restores the experts as parameters), then set the implementation")
         return super().set_experts_implementation(experts_implementation)
 
 

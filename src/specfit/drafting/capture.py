@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import seam
+from ..seam import layers as hf_layers
 
 
 class AuxCapture:
@@ -12,7 +12,7 @@ class AuxCapture:
     ``paused()`` true: forwards leave the kept outputs alone (the route oracle's must not overwrite verified ones)."""
 
     def __init__(self, model, layer_ids, paused=lambda: False):
-        layers = seam.decoder_layers(model)
+        layers = hf_layers.decoder_layers(model)
         for i in layer_ids:
             if not 0 <= i < len(layers):
                 raise ValueError(f"drafter aux layer id {i} is outside the target's {len(layers)} layers")

@@ -8,9 +8,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-TARGET_DIR = HERE / "target"
-DRAFTER_DIR = HERE / "drafter"
+from .paths import DRAFTER_DIR, HERE, TARGET_DIR
 MODEL_ID = "specfit/embedded-qwen3-moe"  # the model id cost profiles are filed under
 
 # CPU threads that decode this model fastest: its matrices are so small that more threads only add synchronisation

@@ -31,7 +31,7 @@ def make_fp8(out: str | os.PathLike, source: str | os.PathLike | None = None) ->
     """Write the FP8 variant of the checkpoint folder ``source`` (default: the embedded target) into ``out``."""
     from safetensors.torch import load_file, save_file
 
-    from . import TARGET_DIR
+    from .paths import TARGET_DIR
     from ..offload.formats import quantize
 
     source, out = Path(source or TARGET_DIR), Path(out)
@@ -60,8 +60,8 @@ def make_fp8(out: str | os.PathLike, source: str | os.PathLike | None = None) ->
 def folder() -> Path:
     """The FP8 variant in the user cache, built on first use (named by a digest of the shipped weights, so a new
     embedded model gets a new variant)."""
-    from . import TARGET_DIR
-    from ..selection.cost_model import cache_root
+    from .paths import TARGET_DIR
+    from ..selection.profile_files import cache_root
 
     digest = hashlib.sha256()
     with open(TARGET_DIR / "model.safetensors", "rb") as f:

@@ -233,8 +233,9 @@ def _report(rows: list[Row], args) -> str:
 def _ensure_profile(model, tokenizer) -> None:
     """SpecFit needs a cost profile for this machine, slot count, cache mode and link; calibrate one if missing."""
     from . import datasets
-    from .calibrate import PROBES, calibrate, describe, install
-    from ..selection.cost_model import profile_path
+    from .calibrate import describe, install
+    from .probes import PROBES, calibrate
+    from ..selection.profile_files import profile_path
     from ..selection.profiles import find_profile, profile_key
 
     if find_profile(model) is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..stats import Counters
+from ..stats.counters import Counters
 from .harness import METHODS, Method, interleave
 
 DEFAULT_METHODS = ("ar", "eagle3", "specfit")

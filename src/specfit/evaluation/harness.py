@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..stats import Counters
+from ..stats.counters import Counters
 from . import oracle  # noqa: F401  registers the "acceptance-oracle" assistant, a method below
 
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .. import seam
+from ..seam import kv_cache, layers as hf_layers
 from ..decoding.acceptance import walk_greedy
 from ..decoding.assistants import Eagle3Generator, register_assistant
 from ..drafting.tree import DraftTree, verify_layout
@@ -64,13 +64,13 @@ def accepted_path(cycle: Cycle, tree: DraftTree) -> tuple[int, ...]:
     t0 = time.perf_counter()
     model, cache = cycle.model, cycle.cache
     n = len(tree) + 1
-    layout = verify_layout(tree, range(len(tree)), cycle.root, cycle.base, seam.kv_capacity(cache, n, cycle.base),
-                           seam.compute_dtype(model), model.specfit.staging)
-    masks = seam.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
+    layout = verify_layout(tree, range(len(tree)), cycle.root, cycle.base, kv_cache.kv_capacity(cache, n, cycle.base),
+                           hf_layers.compute_dtype(model), model.specfit.staging)
+    masks = kv_cache.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
     with model.specfit.measurement(), torch.no_grad():
         out = model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=masks,
                     use_cache=True, logits_to_keep=0)
-    seam.crop_kv(cache, cycle.base, current=cycle.base + n)  # the look-ahead leaves no KV behind
+    kv_cache.crop_kv(cache, cycle.base, current=cycle.base + n)  # the look-ahead leaves no KV behind
     choices = to_host(out.logits[0].argmax(-1))[0].tolist()  # [n] the target's token after each tree position
     tokens = [cycle.root] + [tree.tokens[v] for v in layout.nodes]
     acc = walk_greedy(layout.children, tokens, choices, lambda t: None)

@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from ..stats import Counters
+from ..stats.counters import Counters
 from ..transfer import host_wait
 from .link import EmulatedLink
 from .lru import FetchPlan, LRUSlots

@@ -2,15 +2,16 @@
 
 ``state_dict()`` of an enabled model holds every expert under the plain model's keys, in its order, with its true
 values (views of the store: no copy); ``save_pretrained()`` writes the plain model's checkpoint, the experts read
-from the store one group of layers at a time (``seam.save_pretrained_streaming``); ``load_state_dict()`` writes
-expert tensors through to the store (and empties the device slots that held the old values). ``remove`` undoes it.
+from the store one group of layers at a time (``seam.checkpoints.save_pretrained_streaming``); ``load_state_dict()``
+writes expert tensors through to the store (and empties the device slots that held the old values). ``remove`` undoes
+it.
 """
 
 from __future__ import annotations
 
 import functools
 
-from .. import seam
+from ..seam import checkpoints, layers as hf_layers
 
 EXPERT_SHARD_BYTES = 2 * 2**30  # save_pretrained copies at most this much of the experts at once (or one layer)
 
@@ -18,7 +19,7 @@ EXPERT_SHARD_BYTES = 2 * 2**30  # save_pretrained copies at most this much of th
 def install(model, runtime) -> list:
     """Hook every MoE layer's experts module; returns the hook handles (``disable`` removes them)."""
     handles = []
-    for i, moe in enumerate(seam.moe_layers(model)):
+    for i, moe in enumerate(hf_layers.moe_layers(model)):
         handles.append(moe.experts.register_state_dict_post_hook(_add_experts(runtime.store, i, moe.transposed)))
         handles.append(moe.experts.register_load_state_dict_pre_hook(_write_experts(runtime, i, moe.transposed)))
     model.save_pretrained = functools.partial(save_pretrained, model)  # instance attribute: removed by remove()
@@ -62,7 +63,7 @@ def expert_keys(model) -> list[tuple[int, str, list[str]]]:
     names = {id(m): n for n, m in model.named_modules()}
     store = model.specfit.store
     return [(i, names[id(moe.experts)] + ".", list(store.checkpoint_tensors(i, moe.transposed)))
-            for i, moe in enumerate(seam.moe_layers(model))]
+            for i, moe in enumerate(hf_layers.moe_layers(model))]
 
 
 def save_pretrained(model, save_directory, *, is_main_process: bool = True, state_dict=None,
@@ -95,7 +96,7 @@ def save_pretrained(model, save_directory, *, is_main_process: bool = True, stat
             return
         limit = min(parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size),
                     EXPERT_SHARD_BYTES)
-        seam.save_pretrained_streaming(model, save_directory, rest, _groups(model, layers, limit),
+        checkpoints.save_pretrained_streaming(model, save_directory, rest, _groups(model, layers, limit),
                                        max_shard_size=max_shard_size, **kwargs)
 
 
@@ -103,7 +104,7 @@ def _groups(model, layers, limit: int) -> list:
     """Consecutive MoE layers whose experts fit in ``limit`` bytes together (one layer at least), each as a
     callable that reads them from the store (views)."""
     store = model.specfit.store
-    transposed = {i: moe.transposed for i, moe in enumerate(seam.moe_layers(model))}
+    transposed = {i: moe.transposed for i, moe in enumerate(hf_layers.moe_layers(model))}
     groups, current, size = [], [], 0
     for i, prefix, _ in layers:
         if current and size + store.weight_bytes // len(store.arenas) > limit:

@@ -25,7 +25,7 @@ import warnings
 import numpy as np
 import torch
 
-from .. import seam
+from ..seam import experts as hf_experts
 from ..transfer import to_host
 
 ATTR = "_specfit"  # attribute on each patched experts module, pointing to its LayerRuntime
@@ -65,12 +65,12 @@ class LayerRuntime:
             x = hidden_states.index_select(0, take)  # [rows, H]
             if plan.offsets is not None:  # grouped over every slot: no weight moves
                 parts = rt.store.layout.split_batch(self.cache.slots)
-                y = seam.experts_forward_grouped(module, x, parts[0], parts[1], extra.to(torch.int32))
+                y = hf_experts.experts_forward_grouped(module, x, parts[0], parts[1], extra.to(torch.int32))
             else:
                 w = weights[0] if weights is not None else group.weights if group.weights is not None else \
                     self.cache.gather(slots, extra)  # [n, numel]
-                parts = rt.store.compute_parts(w)  # weights in the compute dtype (FP8 rows dequantized); the math: seam
-                y = seam.experts_forward_batched(module, x.view(len(experts), plan.width, -1), *parts)
+                parts = rt.store.compute_parts(w)  # in the compute dtype (FP8 rows dequantized); the math: hf_experts
+                y = hf_experts.experts_forward_batched(module, x.view(len(experts), plan.width, -1), *parts)
             out.index_copy_(0, dest, y.reshape(-1, hidden))
         for _ in ready:  # the last group's waits are done; close the generator (marks the scratch ring free)
             pass
@@ -189,7 +189,7 @@ def grouped_self_check(device: torch.device, dtype: torch.dtype, layout) -> str 
     checks = (("gate_up", x, gate_up), ("down", a, down))
     for name, rows, weight in checks:
         try:
-            got = seam.grouped_mm(rows, weight.transpose(1, 2), offs)
+            got = hf_experts.grouped_mm(rows, weight.transpose(1, 2), offs)
         except Exception as e:  # noqa: BLE001 - any failure means: do not use it
             return f"the grouped {name} matmul failed on this device: {type(e).__name__}: {e}"
         want = torch.cat([rows[:2] @ weight[0].T, rows[2:] @ weight[2].T])

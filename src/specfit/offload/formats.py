@@ -6,9 +6,9 @@ class and one more entry in ``FORMATS``. Every other quantization is refused up 
 A format's row is what a copy moves: ``row_numel`` elements of ``arena_dtype`` (``expert_bytes`` bytes), the same
 bytes in host memory and in a device slot.
 
-- ``DenseFormat``: ``gate_up [2I, H]``, ``down [H, I]`` (+ biases) in the checkpoint's float dtype (``seam.
-  ExpertLayout``); computed in the model's dtype (an exact upcast where the checkpoint is narrower, e.g. bf16 weights
-  in an fp32 model: the bytes stay as stored, as transformers' own fp32 load of them is exact).
+- ``DenseFormat``: ``gate_up [2I, H]``, ``down [H, I]`` (+ biases) in the checkpoint's float dtype
+  (``seam.layers.ExpertLayout``); computed in the model's dtype (an exact upcast where the checkpoint is narrower,
+  e.g. bf16 weights in an fp32 model: the bytes stay as stored, as transformers' own fp32 load of them is exact).
 - ``BlockFP8Format``: transformers' block-wise FP8 (``quant_method="fp8"``, ``weight_block_size=[bn, bk]``): e4m3
   ``gate_up [2I, H]`` and ``down [H, I]`` bytes, then their float32 ``weight_scale_inv`` per block ``[2I/bn, H/bk]``
   and ``[H/bn, I/bk]``, all in one uint8 row. Computed as transformers computes an FP8 checkpoint where it
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import seam
+from ..seam import checkpoints, layers as hf_layers
 
 @dataclass(frozen=True)
 class DenseFormat:
     """Unquantized experts, stored in ``stored_dtype`` and computed in ``compute_dtype``."""
 
-    layout: seam.ExpertLayout
+    layout: hf_layers.ExpertLayout
     stored_dtype: torch.dtype
     compute_dtype: torch.dtype
     name = "dense"
@@ -82,7 +82,7 @@ class DenseFormat:
 class BlockFP8Format:
     """Block-wise e4m3 experts with float32 per-block ``weight_scale_inv``, one uint8 row per expert."""
 
-    layout: seam.ExpertLayout
+    layout: hf_layers.ExpertLayout
     block: tuple[int, int]  # (rows, columns) of one scale block: ``weight_block_size``
     compute_dtype: torch.dtype
     name = "fp8"
@@ -203,11 +203,11 @@ def _block_fp8(layout, stored, q, compute_dtype):
 FORMATS = {None: _dense, "fp8": _block_fp8}
 
 
-def stored_format(config, layout: seam.ExpertLayout, compute_dtype: torch.dtype, stored_dtype=None,
+def stored_format(config, layout: hf_layers.ExpertLayout, compute_dtype: torch.dtype, stored_dtype=None,
                   where: str = "the checkpoint"):
     """The stored expert format of a checkpoint with ``config`` (``stored_dtype``: its ``config.json`` dtype, read
     before a model is built from it); other quantizations are refused, named."""
-    method = seam.quantization_method(config)
+    method = checkpoints.quantization_method(config)
     if method not in FORMATS:
         raise ValueError(f"{where}: the checkpoint is quantized ({method!r}, e.g. GPT-OSS's MXFP4 experts); SpecFit's "
                          f"streaming loader reads "

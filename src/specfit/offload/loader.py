@@ -20,11 +20,11 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from .. import seam
+from ..seam import checkpoints, layers as hf_layers
 from .formats import BlockFP8Format, dequantize, stored_format
 from .store import ExpertStore
 
-# hub layouts of routed experts, matched on keys after transformers' renamings (seam.checkpoint_renamer):
+# hub layouts of routed experts, matched on keys after transformers' renamings (checkpoints.checkpoint_renamer):
 # one tensor per expert (Qwen, DeepSeek, GLM, ...: gate_proj/up_proj/down_proj; Mixtral, PhiMoE: w1/w3/w2),
 # fused 3-D tensors (GPT-OSS bf16, Llama-4: gate_up_proj/down_proj [+ biases]), Granite's input/output_linear
 # (block-wise FP8 checkpoints add a `weight_scale_inv` beside each weight, or a `_scale_inv` beside each fused one)
@@ -87,7 +87,7 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    layers = seam.moe_layers(model)
+    layers = hf_layers.moe_layers(model)
     fmt = stored_format(config, layers[0].layout, dtype, stored_dtype, where=str(path_or_id))
     if isinstance(fmt, BlockFP8Format):
         _check_fp8_device(config, device, path_or_id)
@@ -101,14 +101,14 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     first = layers[0]
     num_experts = first.num_experts
     for moe in layers:
-        seam.release_expert_tensors(moe)  # the store takes their place
+        hf_layers.release_expert_tensors(moe)  # the store takes their place
     store = ExpertStore(len(layers), num_experts, first.hidden, first.intermediate, dtype, pin=pin,
                         bias=first.layout.bias, format=fmt)
     paths = {name: module for name, module in model.named_modules()}
     block_index = {}  # MoE block path -> (index among MoE layers, MoELayer)
     for i, moe in enumerate(layers):
         block_index[next(n for n, m in paths.items() if m is moe.block)] = (i, moe)
-    rename = seam.checkpoint_renamer(model)
+    rename = checkpoints.checkpoint_renamer(model)
 
     known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     known |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
@@ -120,7 +120,7 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
                 if key.endswith(_QUANTIZED_SUFFIXES) and not key.endswith(fmt.suffixes):
                     raise ValueError(f"{shard.name}: {key!r} is a quantized tensor (MXFP4 blocks/scales, FP8 scales, "
                                      f"...); SpecFit's streaming loader reads unquantized checkpoints only")
-                if seam.ignored_checkpoint_key(model, key):
+                if checkpoints.ignored_checkpoint_key(model, key):
                     continue
                 name = rename(key)
                 expert = _expert_tensor(name, block_index)

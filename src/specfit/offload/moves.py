@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import seam
+from ..seam import layers as hf_layers
 
 ATTR = "_apply"
 
@@ -21,7 +21,7 @@ ATTR = "_apply"
 def install(model, runtime) -> None:
     names = {id(m): n for n, m in model.named_modules()}
     guarded = {""}
-    for moe in seam.moe_layers(model):
+    for moe in hf_layers.moe_layers(model):
         parts = names[id(moe.experts)].split(".")
         guarded.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
     for name in sorted(guarded):

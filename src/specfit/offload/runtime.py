@@ -10,7 +10,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..stats import Counters, Stats
+from ..stats.counters import Counters
+from ..stats.scope import Stats
 from ..transfer import Staging
 from .cache import CopyEngine, LayerCache
 from .config import OffloadConfig

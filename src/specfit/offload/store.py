@@ -2,8 +2,8 @@
 
 Layout of one layer's arena ``[E, 3*I*H]``: row ``e`` is expert ``e`` flattened as ``gate_up [2I, H]`` (gate rows
 first, then up rows, as in transformers' fused ``gate_up_proj``) followed by ``down [H, I]``; families with expert
-biases (GPT-OSS) append ``gate_up_bias [2I]`` and ``down_bias [H]`` (``seam.ExpertLayout``). One expert is one row,
-so moving it to the device is one copy. That is the dense format; ``formats.py`` holds every stored format (a
+biases (GPT-OSS) append ``gate_up_bias [2I]`` and ``down_bias [H]`` (``seam.layers.ExpertLayout``). One expert is one
+row, so moving it to the device is one copy. That is the dense format; ``formats.py`` holds every stored format (a
 block-wise FP8 expert is one uint8 row of e4m3 weights and float32 block scales), and the row's bytes are what a copy
 moves (``expert_bytes``) and what the experts forward turns into weights (``compute_parts``).
 
@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .. import seam
+from ..seam import layers as hf_layers
 from .formats import DenseFormat
 
 class CudaHostPinning:
@@ -58,7 +58,7 @@ class ExpertStore:
         if pin not in (True, False, "auto"):
             raise ValueError(f"pin must be True, False or 'auto', got {pin!r}")
         self._pinning = pinning or CudaHostPinning()
-        self.layout = seam.ExpertLayout(hidden, intermediate, bias)
+        self.layout = hf_layers.ExpertLayout(hidden, intermediate, bias)
         self.format = format or DenseFormat(self.layout, dtype, dtype)
         if self.format.layout != self.layout:
             raise ValueError(f"format {self.format.name} is for layout {self.format.layout}, the store's is "

@@ -1,7 +1,7 @@
 """Where a drafter's acceptance tables are read from and written to: the user cache first, the drafter's folder as
 the read-only default.
 
-``specfit calibrate --acceptance-only`` writes its tables to ``cost_model.cache_root() / "acceptance" /
+``specfit calibrate --acceptance-only`` writes its tables to ``profile_files.cache_root() / "acceptance" /
 <drafter key>.json`` (beside the cost profiles), never into the drafter's folder: that folder may be inside the
 installed package (the embedded drafter) or a download cache. ``enable(..., drafter=FOLDER)`` reads the user-cache
 tables for that drafter first, else the folder's own ``acceptance.json``. The key names the drafter's content, not
@@ -15,7 +15,7 @@ import hashlib
 from pathlib import Path
 
 from .acceptance_model import FILENAME
-from .cost_model import cache_root
+from .profile_files import cache_root
 
 _EDGE = 1 << 20  # bytes read from each end of a weights file
 

@@ -22,16 +22,15 @@ fall with ``n``: the fit solves non-negative least squares on the *increments* `
 ``l + 1``, measured by the probes, which draft every level; ``intercepts`` include all of them, and
 ``predict(..., levels=L)`` (or ``at_levels(L)``, a model the selector takes as it is) charges only the first ``L``.
 
-No torch here; the probes that produce the records are defined in ``specfit.evaluation.calibrate``, and the checks of
-a fit's quality in ``specfit.selection.fit_quality``.
+No torch here. The fit itself (monotone NNLS) is in ``specfit.selection.cost_fit``, the profile files (their format,
+checks and paths) in ``specfit.selection.profile_files``; the probes that produce the records are defined in
+``specfit.evaluation.probes``, and the checks of a fit's quality in ``specfit.selection.fit_quality``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,23 +38,13 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-__all__ = ["CostModel", "Record", "Coefficients", "ProfileError", "profile_dir", "profile_path", "FORMAT", "VERSION",
-           "VERDICTS", "KINDS"]
+from .cost_fit import as_rows, fit_coefficients
+from .profile_files import FORMAT, RESERVED, VERSION, ProfileError, check_meta, field_number, first_non_finite, \
+    read_profile
 
-FORMAT = "specfit-cost-model"
-# 3: a coefficient per expert computed (beta) and per expert copied (copy_overhead + link_share x the link's time),
-#    one profile per machine and model; 2: monotone intercepts, per-level drafting, a recorded fit quality, demand
-#    only (one profile per slot count and link); versions 1 and 2 still load, as demand-only models
-VERSION = 3
-VERDICTS = ("good", "poor", "unassessed")  # meta["quality"]["verdict"]; "unassessed": a version-1 profile
-KINDS = ("cache-aware", "paper")  # what a fit prices: demand and copies, or demand alone (the paper's model)
-_RESERVED = ("format", "version", "units", "intercepts", "beta", "draft_level_seconds", "copy_overhead_s",
-             "link_share")
+__all__ = ["CostModel", "Record", "ProfileError"]
+
 _TOLERANCE = 1e-12  # seconds: rounding slack when checking that intercepts cover the drafting
-
-
-class ProfileError(ValueError):
-    """A profile file is unreadable, malformed, or was made for another device, model, slot count or cache mode."""
 
 
 class Record(NamedTuple):
@@ -69,21 +58,6 @@ class Record(NamedTuple):
     misses: float = 0.0
     link_seconds: float = 0.0
 
-
-class Coefficients(NamedTuple):
-    """A fit's numbers (see ``fit_coefficients``)."""
-
-    intercepts: list  # seconds for n = 0..max_nodes
-    beta: float  # seconds per expert computed
-    copy_overhead: float  # seconds per expert copied, beside the link's own time (0 for the paper's model)
-    link_share: float  # share of the link's time per copy a cycle waits for (1 when it cannot be told apart)
-    observed: list  # node counts with records
-
-    def predict(self, rows: np.ndarray) -> np.ndarray:
-        """Seconds for ``[R, 5]`` rows of (n_nodes, demand, seconds, misses, link_seconds)."""
-        n, demand, _, misses, link = np.asarray(rows, float).T
-        return (np.asarray(self.intercepts)[n.astype(int)] + self.beta * demand
-                + misses * (self.copy_overhead + self.link_share * link))
 
 
 @dataclass(frozen=True)
@@ -123,30 +97,30 @@ class CostModel:
     link_share: float | None = None
 
     def __post_init__(self):
-        intercepts = tuple(_number(a, f"intercepts[{i}]") for i, a in enumerate(self.intercepts))
+        intercepts = tuple(field_number(a, f"intercepts[{i}]") for i, a in enumerate(self.intercepts))
         if not intercepts:
             raise ValueError("field 'intercepts' must hold at least one value (n = 0)")
         object.__setattr__(self, "intercepts", intercepts)
-        object.__setattr__(self, "beta", _number(self.beta, "beta"))
-        object.__setattr__(self, "copy", _number(self.copy, "copy"))
+        object.__setattr__(self, "beta", field_number(self.beta, "beta"))
+        object.__setattr__(self, "copy", field_number(self.copy, "copy"))
         if (self.copy_overhead is None) != (self.link_share is None):
             raise ValueError("fields 'copy_overhead_s' and 'link_share' come together (a model that prices copies) "
                              "or not at all (a demand-only model)")
         if self.copy_overhead is not None:
-            object.__setattr__(self, "copy_overhead", _number(self.copy_overhead, "copy_overhead_s"))
-            object.__setattr__(self, "link_share", _number(self.link_share, "link_share"))
-        levels = tuple(_number(t, f"draft_level_seconds[{i}]") for i, t in enumerate(self.draft_level_seconds))
+            object.__setattr__(self, "copy_overhead", field_number(self.copy_overhead, "copy_overhead_s"))
+            object.__setattr__(self, "link_share", field_number(self.link_share, "link_share"))
+        levels = tuple(field_number(t, f"draft_level_seconds[{i}]") for i, t in enumerate(self.draft_level_seconds))
         object.__setattr__(self, "draft_level_seconds", levels)
         if sum(levels) > min(intercepts) + _TOLERANCE:
             raise ValueError(f"field 'draft_level_seconds' sums to {sum(levels)!r} s, more than the smallest intercept "
                              f"({min(intercepts)!r} s); every intercept includes the drafting of all levels")
         if not isinstance(self.meta, dict):
             raise ValueError(f"field 'meta' must be a dict, got {type(self.meta).__name__}")
-        bad = _non_finite(self.meta)
+        bad = first_non_finite(self.meta)
         if bad is not None:
             raise ValueError(f"field {bad[0]!r} is {bad[1]!r}: a profile's numbers (fit quality included) must be "
                              f"finite, or null where a figure is undefined")
-        clash = [k for k in self.meta if k in _RESERVED]
+        clash = [k for k in self.meta if k in RESERVED]
         if clash:
             raise ValueError(f"meta may not use the reserved profile field(s) {clash}")
 
@@ -187,7 +161,7 @@ class CostModel:
             raise ValueError("this cost model prices demand only (the paper's model, or a profile from before "
                              "version 3): it has no copy coefficient to carry to a link; recalibrate with this "
                              "version of `specfit calibrate`")
-        link_seconds = _number(link_seconds, "link_seconds")
+        link_seconds = field_number(link_seconds, "link_seconds")
         return replace(self, copy=self.copy_overhead + self.link_share * link_seconds,
                        meta={**self.meta, "priced_link_seconds": link_seconds})
 
@@ -274,7 +248,7 @@ class CostModel:
         ([0.1, 0.11, 0.12], 0.0002, 9)
         """
         rows = as_rows(records)
-        levels = tuple(_number(t, f"draft_level_seconds[{i}]") for i, t in enumerate(draft_level_seconds))
+        levels = tuple(field_number(t, f"draft_level_seconds[{i}]") for i, t in enumerate(draft_level_seconds))
         top = None if max_nodes is None else int(max_nodes)
         coef = fit_coefficients(rows, top, floor=sum(levels), kind=kind)
         residual = rows[:, 2] - coef.predict(rows)
@@ -341,214 +315,10 @@ class CostModel:
                 mismatch with ``expect``.
         """
         path = Path(path)
+        fields = read_profile(path)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as e:
-            raise ProfileError(f"{path}: cannot read profile ({e})") from e
-        except json.JSONDecodeError as e:
-            raise ProfileError(f"{path}: not valid JSON ({e})") from e
-        if not isinstance(data, dict):
-            raise ProfileError(f"{path}: a profile is a JSON object, got {type(data).__name__}")
-        version = data.get("version")
-        if version not in (1, 2, VERSION) or type(version) is not int:
-            raise ProfileError(f"{path}: field 'version' is {version!r}, expected 1, 2 or {VERSION} (a newer "
-                               f"profile needs a newer specfit)" if "version" in data else
-                               f"{path}: missing field 'version'")
-        required = _RESERVED[:5] if version == 1 else _RESERVED[:6]  # a demand-only model has no copy fields
-        for key in required:
-            if key not in data:
-                raise ProfileError(f"{path}: missing field {key!r}")
-        for key, want in (("format", FORMAT), ("units", "seconds")):
-            if data[key] != want or type(data[key]) is not type(want):
-                raise ProfileError(f"{path}: field {key!r} is {data[key]!r}, expected {want!r}")
-        if not isinstance(data["intercepts"], list) or not data["intercepts"]:
-            raise ProfileError(f"{path}: field 'intercepts' must be a non-empty list of numbers, got "
-                               f"{data['intercepts']!r}")
-        if not isinstance(data.get("draft_level_seconds", []), list):
-            raise ProfileError(f"{path}: field 'draft_level_seconds' must be a list of numbers (one per drafted "
-                               f"level; empty when not measured), got {data['draft_level_seconds']!r}")
-        meta = {k: v for k, v in data.items() if k not in _RESERVED}
-        if version == 1:
-            meta["quality"] = _unassessed(data["intercepts"])
-        try:
-            model = cls(tuple(data["intercepts"]), data["beta"], meta, tuple(data.get("draft_level_seconds", ())),
-                        copy_overhead=data.get("copy_overhead_s"), link_share=data.get("link_share"))
+            model = cls(**fields)
         except ValueError as e:
             raise ProfileError(f"{path}: {e}") from None
-        quality = meta.get("quality")
-        if quality is not None and (not isinstance(quality, dict) or quality.get("verdict") not in VERDICTS):
-            raise ProfileError(f"{path}: field 'quality' must be an object whose 'verdict' is one of {VERDICTS}, "
-                               f"got {quality!r}")
-        for key, want in (expect or {}).items():
-            if key not in meta:
-                raise ProfileError(f"{path}: field {key!r} is missing, expected {want!r}")
-            if meta[key] != want:
-                raise ProfileError(f"{path}: field {key!r} is {meta[key]!r}, expected {want!r}")
+        check_meta(path, model.meta, expect)
         return model
-
-
-def as_rows(records) -> np.ndarray:
-    """Records as float ``[R, 5]`` rows of (n_nodes, demand, seconds, misses, link_seconds); 3-field records get no
-    misses and no link."""
-    rows = [tuple(r) for r in records]
-    out = np.zeros((len(rows), 5))
-    for i, r in enumerate(rows):
-        if len(r) not in (3, 5):
-            raise ValueError(f"record {i} has {len(r)} fields; give (n_nodes, demand, seconds) or (n_nodes, demand, "
-                             f"seconds, misses, link_seconds)")
-        out[i, : len(r)] = r
-    return out
-
-
-def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: float = 0.0,
-                     kind: str = "paper") -> Coefficients:
-    """The monotone NNLS fit behind ``CostModel.fit`` on ``[R, 5]`` rows (``as_rows``). Pure numpy + scipy, fast
-    enough to refit hundreds of times (bootstrap, cross-validation).
-
-    The unknowns are ``intercepts[n0] - floor`` (``n0`` the smallest observed count, ``floor`` the drafting sum),
-    the increments between consecutive observed counts, ``beta`` and, for ``kind="cache-aware"``, the copy
-    coefficient's two parts, all >= 0 (``scipy.optimize.nnls``): a record at count ``n`` has a 1 for the base, for
-    every increment up to ``n``, then its demand, its misses and its misses x link seconds. Fitting increments
-    instead of one free intercept per count keeps NNLS from trading intercepts against beta when demand grows with
-    the count. When the records' copies ran over one link only (a GPU, or a CPU run with one emulated link),
-    ``link_share`` cannot be told from ``copy_overhead``: it is held at 1 (a copy waits for all of the link's time)
-    and the link's time is taken off the seconds before the fit. A count with no record has no data for its
-    intercept: it is filled by linear interpolation between the nearest observed counts, or beyond the observed
-    range by extending the line through the two nearest observed counts (clamped at ``floor``; flat if only one
-    count was observed).
-    """
-    from scipy.optimize import nnls
-
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    rows = np.asarray(rows, dtype=float)
-    if rows.ndim != 2 or rows.shape[1] != 5:
-        rows = as_rows(rows)
-    n_nodes, demand, seconds, misses, link = rows.T
-    if not np.all(np.isfinite(rows)) or np.any(rows < 0) or np.any(n_nodes != np.round(n_nodes)):
-        raise ValueError("records must be (n_nodes >= 0 integer, demand >= 0, seconds >= 0, misses >= 0, "
-                         "link_seconds >= 0), all finite")
-    observed = sorted({int(n) for n in n_nodes})
-    if len(rows) < len(observed) + 2:
-        raise ValueError(
-            f"{len(rows)} records are too few to fit {len(observed)} intercepts and beta; "
-            f"give at least {len(observed) + 2}"
-        )
-    if all(np.ptp(demand[n_nodes == n]) == 0 for n in observed):
-        raise ValueError("demand never varies at a fixed node count, so beta cannot be told from the intercepts")
-    top = observed[-1] if max_nodes is None else int(max_nodes)
-    if top < observed[-1]:
-        raise ValueError(f"max_nodes={top} is below the largest node count in the records ({observed[-1]})")
-    aware = kind == "cache-aware"
-    if aware and np.ptp(misses) == 0:
-        raise ValueError("misses never vary in the records (every expert resident, or every one copied), so the "
-                         "copy coefficient cannot be told from beta; probe with fewer slots or colder caches")
-    links = np.unique(link[misses > 0]) if aware else np.zeros(0)
-    share = len(links) >= 2  # the link's share is fitted only where the records ran over two links or more
-
-    # columns: base, increment to observed[1], .., increment to observed[-1], demand[, misses[, misses x link]]
-    rank = np.searchsorted(observed, n_nodes)
-    columns = [np.arange(len(observed))[None, :] <= rank[:, None], demand[:, None]]
-    target = seconds - floor
-    if aware:
-        columns.append(misses[:, None])
-        if share:
-            columns.append((misses * link)[:, None])
-        else:
-            target = target - misses * link
-    features = np.hstack(columns).astype(float)
-    scale = np.linalg.norm(features, axis=0)  # demand is ~1e3 times the indicator columns; equalise for NNLS
-    scale[scale == 0] = 1.0
-    coef, _ = nnls(features / scale, target)
-    coef = coef / scale
-    k = len(observed)
-    values = floor + np.cumsum(coef[:k])
-    overhead = float(coef[k + 1]) if aware else 0.0
-    link_share = float(coef[k + 2]) if share else 1.0
-    return Coefficients(_fill(observed, values.tolist(), top, floor), float(coef[k]), overhead,
-                        link_share if aware else 0.0, observed)
-
-
-def _unassessed(intercepts) -> dict:
-    """The quality record of a version-1 profile: not assessed by the calibration gate; says whether it falls."""
-    reasons = ["a version-1 profile: made before `specfit calibrate` checked fits (no held-out error, no bootstrap "
-               "intervals) and before intercepts were held non-decreasing"]
-    values = [a for a in intercepts if isinstance(a, (int, float)) and not isinstance(a, bool)]
-    falls = [(i, a, b) for i, (a, b) in enumerate(zip(values, values[1:])) if b < a]
-    if falls:
-        i, a, b = falls[0]
-        reasons.append(f"its intercepts fall with n (a({i + 1}) = {b * 1e3:.2f} ms < a({i}) = {a * 1e3:.2f} ms), "
-                       f"traded against beta on collinear probes")
-    return {"verdict": "unassessed", "reasons": reasons}
-
-
-def cache_root() -> Path:
-    """SpecFit's user cache: ``$SPECFIT_CACHE``, else the platform's user cache folder (``platformdirs``): on Linux
-    ``$XDG_CACHE_HOME/specfit`` or ``~/.cache/specfit``, on macOS ``~/Library/Caches/specfit``, on Windows
-    ``%LOCALAPPDATA%\\specfit\\Cache``."""
-    if os.environ.get("SPECFIT_CACHE"):
-        return Path(os.environ["SPECFIT_CACHE"])
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("specfit", appauthor=False))
-
-
-def profile_dir() -> Path:
-    """Where profiles live: ``cache_root() / "profiles"``."""
-    return cache_root() / "profiles"
-
-
-def profile_path(device_name: str, model_key: str) -> Path:
-    """The profile file for one device and model (``profiles.model_key``: its name and shape). Slot count, cache
-    mode and link are not in the name: one profile prices them all.
-
-    >>> profile_path("NVIDIA A100-PCIE-40GB", "Qwen/Qwen3-30B-A3B [48x128e top8 h2048 bfloat16]").name
-    'NVIDIA-A100-PCIE-40GB__Qwen--Qwen3-30B-A3B-48x128e-top8-h2048-bfloat16.json'
-    """
-    if not isinstance(model_key, str) or not model_key:
-        raise ValueError(f"model_key must be a non-empty string, got {model_key!r}")
-    return profile_dir() / f"{_safe(device_name)}__{_safe(model_key.replace('/', '--'))}.json"
-
-
-def _safe(text: str) -> str:
-    # Keep file names portable: letters, digits, '.', '_', '-' only; runs of anything else become one '-'.
-    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", str(text)).strip("-.")
-    return cleaned or "unknown"
-
-
-def _number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"field {name!r} must be a non-negative number, got {value!r}")
-    value = float(value)
-    if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(f"field {name!r} must be a non-negative number, got {value!r}")
-    return value
-
-
-def _non_finite(value, path: str = ""):
-    """(dotted path, value) of the first NaN or infinity inside ``value`` (dicts, lists, numbers), else None."""
-    if isinstance(value, dict):
-        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
-    elif isinstance(value, (list, tuple)):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
-    else:
-        is_number = isinstance(value, (float, np.floating)) and not isinstance(value, bool)
-        return (path, float(value)) if is_number and not math.isfinite(value) else None
-    for where, item in items:
-        found = _non_finite(item, where)
-        if found is not None:
-            return found
-    return None
-
-
-def _fill(observed: list[int], values: list[float], top: int, floor: float = 0.0) -> list[float]:
-    """Intercepts for n = 0..top from the observed counts: interpolate inside, extend the end lines outside (never
-    below ``floor``). Non-decreasing values stay non-decreasing."""
-    xs, ys = np.array(observed, float), np.array(values, float)
-    grid = np.arange(top + 1, dtype=float)
-    out = np.interp(grid, xs, ys)
-    if len(xs) >= 2:
-        lo, hi = grid < xs[0], grid > xs[-1]
-        out[lo] = ys[0] + (grid[lo] - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
-        out[hi] = ys[-1] + (grid[hi] - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return np.maximum(out, floor).tolist()

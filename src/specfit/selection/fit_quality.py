@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .cost_model import CostModel, as_rows, fit_coefficients
+from .cost_fit import as_rows, fit_coefficients
+from .cost_model import CostModel
 
 GATE = {"min_heldout_r2": 0.5, "max_beta_halfwidth": 0.25, "max_choice_loss": 0.01}
 REMEDY = ("take more probes (--probes, --repeats), keep one CPU thread (--threads 1, the default on a CPU), and "

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .cost_model import FORMAT, CostModel, ProfileError, profile_path
+from .cost_model import CostModel
+from .profile_files import FORMAT, ProfileError, profile_path
 from .fit_quality import REMEDY
 
 
@@ -55,14 +56,14 @@ def model_key(model) -> str:
     name of its own.)
 
     e.g. ``'Qwen/Qwen3-30B-A3B [48x128e top8 h2048 bfloat16]'``"""
-    from .. import seam
+    from ..seam import layers as hf_layers
 
     runtime = model.specfit
     store = runtime.store
     text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_k", "top_k", "num_experts_per_token")
                   if isinstance(getattr(text, k, None), int)), "?")
-    dtype = str(seam.compute_dtype(model)).replace("torch.", "")
+    dtype = str(hf_layers.compute_dtype(model)).replace("torch.", "")
     return f"{model_id(model)} [{len(store.arenas)}x{store.num_experts}e top{top_k} h{store.hidden} {dtype}]"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import seam
+from ..seam import layers as hf_layers, routers
 
 FILE = "route_predictor.safetensors"
 CONFIG = "route_predictor.json"
@@ -25,8 +25,8 @@ GROUP_SCORES = ("max", "top2")
 
 class RoutePredictor(nn.Module):
     """``states [N, H] -> logits [N, L, E]`` (a linear map per layer), then each layer's routers' own selection rule
-    (``seam.RouterRule``): top-k of the logits, or of ``sigmoid``/``softmax`` scores plus a correction bias within
-    the best expert groups (DeepSeek-V3, GLM-4-MoE, dots1, Ernie, DeepSeek-V2's group-limited greedy)."""
+    (``seam.routers.RouterRule``): top-k of the logits, or of ``sigmoid``/``softmax`` scores plus a correction bias
+    within the best expert groups (DeepSeek-V3, GLM-4-MoE, dots1, Ernie, DeepSeek-V2's group-limited greedy)."""
 
     def __init__(self, num_layers: int, num_experts: int, hidden_size: int, top_k: int, scoring: str = "logits",
                  n_group: int = 1, topk_group: int = 1, group_score: str = "max"):
@@ -47,8 +47,8 @@ class RoutePredictor(nn.Module):
     def from_gates(cls, model) -> "RoutePredictor":
         """The target's routers stacked, with their selection rule: the untrained ``gate`` predictor (exactly the
         target's routes when applied to a layer's router input), and the predictor's initialisation."""
-        layers = seam.moe_layers(model)
-        rules = [seam.router_rule(m) for m in layers]
+        layers = hf_layers.moe_layers(model)
+        rules = [routers.router_rule(m) for m in layers]
         first = rules[0]
         shape = (first.top_k, first.scoring, first.n_group, first.topk_group, first.group_score)
         for moe, rule in zip(layers, rules):
@@ -141,8 +141,8 @@ class RoutePredictor(nn.Module):
                 raise ValueError(f"{folder / FILE}: {name} has shape {tuple(tensors[name].shape)}, expected {want}")
         head.load_state_dict(tensors)
         if model is not None:
-            layers = seam.moe_layers(model)
-            weight = seam.router_weight(layers[0].gate)
+            layers = hf_layers.moe_layers(model)
+            weight = routers.router_weight(layers[0].gate)
             want = (len(layers), weight.shape[0], weight.shape[1])
             if (head.num_layers, head.num_experts, head.hidden_size) != want:
                 raise ValueError(f"route predictor in {folder} is for (layers, experts, hidden) = "

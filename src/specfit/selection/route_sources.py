@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import seam
+from ..seam import kv_cache, layers as hf_layers
 from ..drafting.tree import DraftTree, verify_layout
 
 
@@ -43,13 +43,14 @@ def oracle_routes(cycle: Cycle, tree: DraftTree) -> tuple[np.ndarray, np.ndarray
     t0 = time.perf_counter()
     model, cache = cycle.model, cycle.cache
     n = len(tree) + 1
-    layout = verify_layout(tree, range(len(tree)), cycle.root, cycle.base,
-                           seam.kv_capacity(cache, n, cycle.base), seam.compute_dtype(model), model.specfit.staging)
-    masks = seam.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
+    capacity = kv_cache.kv_capacity(cache, n, cycle.base)
+    layout = verify_layout(tree, range(len(tree)), cycle.root, cycle.base, capacity, hf_layers.compute_dtype(model),
+                           model.specfit.staging)
+    masks = kv_cache.layer_masks(model, cache, layout.mask, layout.position_ids)  # per layer type (sliding windows)
     with model.specfit.measurement() as recorder, torch.no_grad():
         model(layout.tokens, cache=cache, position_ids=layout.position_ids, attention_mask=masks,
               use_cache=True, logits_to_keep=1)
-    seam.crop_kv(cache, cycle.base, current=cycle.base + n)
+    kv_cache.crop_kv(cache, cycle.base, current=cycle.base + n)
     routes = recorder.last.numpy()  # [n, L, E]
     cycle.measurement_seconds += time.perf_counter() - t0
     return routes[1:], routes[0]

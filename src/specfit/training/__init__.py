@@ -7,7 +7,7 @@ from pathlib import Path
 
 def default_work_dir(command: str) -> Path:
     """Checkpoints and caches of a training command: in the user cache, never inside the package."""
-    from ..selection.cost_model import cache_root
+    from ..selection.profile_files import cache_root
 
     return cache_root() / "work" / command
 

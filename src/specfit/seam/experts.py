@@ -1,0 +1,74 @@
+"""transformers' experts interface: the ``"specfit"`` experts implementation and the experts' math
+(gating, the batched and grouped forwards) in the model's own layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface
+
+__all__ = ["EXPERTS_IMPL", "register_experts_implementation", "experts_implementation", "set_experts_implementation",
+           "expert_activation", "experts_forward_batched", "grouped_mm", "experts_forward_grouped"]
+
+EXPERTS_IMPL = "specfit"
+
+
+def register_experts_implementation(forward) -> None:
+    """Make ``"specfit"`` a name in transformers' experts interface, bound to ``forward`` (idempotent)."""
+    ExpertsInterface.register(EXPERTS_IMPL, forward)
+
+
+def experts_implementation(model) -> str | None:
+    return model.config._experts_implementation
+
+
+def set_experts_implementation(model, name: str, forward=None) -> None:
+    """Select experts implementation ``name``; for ``"specfit"``, ``forward`` is the function it names."""
+    if name == EXPERTS_IMPL:
+        if forward is None:
+            raise ValueError("the 'specfit' experts implementation needs its forward function")
+        register_experts_implementation(forward)
+    model.set_experts_implementation(name)
+
+
+def expert_activation(experts: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """[S, 2I] gate/up projections -> [S, I], with the experts module's own gating: its ``_apply_gate`` (transformers'
+    default act(gate) * up on concatenated halves; GPT-OSS's clamped SwiGLU on interleaved columns), or, for
+    Llama-4's experts outside the interface, ``up * act(gate)`` on concatenated halves as its forward does."""
+    apply = getattr(experts, "_apply_gate", None)
+    if apply is not None:
+        return apply(gate_up_out)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return up * experts.act_fn(gate)
+
+
+def experts_forward_batched(experts: nn.Module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                            gate_up_bias: torch.Tensor | None = None,
+                            down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """n experts at once: x [n, C, H] (C rows each) -> [n, C, H], from ``ExpertLayout.split_batch`` views
+    (gate_up [n, 2I, H], down [n, H, I], biases [n, 2I] / [n, H]): ``F.linear`` orientation, the family's own
+    gating and biases."""
+    if gate_up_bias is None:
+        h = torch.bmm(x, gate_up.transpose(1, 2))  # [n, C, 2I]
+    else:
+        h = torch.baddbmm(gate_up_bias[:, None], x, gate_up.transpose(1, 2))
+    h = expert_activation(experts, h)  # [n, C, I]
+    if down_bias is None:
+        return torch.bmm(h, down.transpose(1, 2))  # [n, C, H]
+    return torch.baddbmm(down_bias[:, None], h, down.transpose(1, 2))
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rows grouped by ``offs`` (int32 [G], each group's end) times weight [G, K, N] -> [M, N]: torch's
+    grouped matmul (public from torch 2.9 as ``F.grouped_mm``, private ``torch._grouped_mm`` before)."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return fn(x, weight, offs=offs)
+
+
+def experts_forward_grouped(experts: nn.Module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                            offs: torch.Tensor) -> torch.Tensor:
+    """Rows of every slot at once: x [M, H] sorted by slot, ``offs`` (int32 [N]) each slot's end row; gate_up
+    [N, 2I, H] and down [N, H, I] are views over all N slots (no copy) -> [M, H], with the family's gating."""
+    h = grouped_mm(x, gate_up.transpose(1, 2), offs)  # [M, 2I]
+    return grouped_mm(expert_activation(experts, h), down.transpose(1, 2), offs)  # [M, H]
