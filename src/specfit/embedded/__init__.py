@@ -51,7 +51,8 @@ def load(cache_slots: int, *, drafter: bool = True, dtype=None, fp8: bool = Fals
 
     if not available():
         raise FileNotFoundError(f"the embedded model is missing from {HERE}; reinstall specfit, or train it with "
-                                f"`specfit train-target --out {TARGET_DIR}` then `specfit train-drafter`")
+                                f"`specfit train-target --out {TARGET_DIR}` then "
+                                f"`specfit train-drafter --out {DRAFTER_DIR}`")
     advise_threads(torch.get_num_threads())
     if fp8:
         from .fp8 import folder

@@ -150,7 +150,10 @@ def _openstax_rows() -> list[dict]:
 def add_arguments(parser) -> None:
     d, r = DrafterTrainConfig(), ResponseConfig()
     parser.add_argument("--target", default=str(EMBEDDED / "target"), help="target model folder (with tokenizer)")
-    parser.add_argument("--out", default=str(EMBEDDED / "drafter"), help="folder for the drafter, report and card")
+    parser.add_argument("--out", required=True,
+                        help=f"folder for the drafter, report and card (to replace the shipped one in a source "
+                             f"checkout: {EMBEDDED / 'drafter'}; nothing is written into an installed package "
+                             f"unless you name it)")
     parser.add_argument("--work-dir", help="folder for responses and checkpoints "
                                            "(default: the user cache, ~/.cache/specfit/work/train-drafter)")
     parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (the schedule's length)")

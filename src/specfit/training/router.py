@@ -68,7 +68,8 @@ def train(head: RoutePredictor, states, routes, epochs: int = 30, lr: float = 3e
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="target checkpoint (default: the embedded model)")
     p.add_argument("--drafter", default=None, help="drafter folder (default: the embedded drafter)")
-    p.add_argument("--out", default=None, help="where to save (default: beside the drafter)")
+    p.add_argument("--out", default=None, help="where to save (default: beside a --drafter folder given; with the "
+                                               "embedded drafter, required)")
     p.add_argument("--num-prompts", type=int, default=48, help="GSM8K train questions decoded to collect routes")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt")
     p.add_argument("--epochs", type=int, default=40, help="passes over the collected routes")
@@ -91,6 +92,10 @@ def main(args) -> int:
     torch.manual_seed(args.seed)
     model_dir = Path(args.model) if args.model else embedded.TARGET_DIR
     drafter_dir = Path(args.drafter) if args.drafter else embedded.DRAFTER_DIR
+    if args.out is None and args.drafter is None:
+        raise ValueError(f"--out is needed with the embedded drafter (the default would write into the installed "
+                         f"package); to replace the shipped route predictor in a source checkout: --out "
+                         f"{embedded.DRAFTER_DIR}")
     out = Path(args.out) if args.out else drafter_dir
     from transformers import AutoConfig
 
