@@ -116,7 +116,8 @@ def test_decode_check_on_cpu(tiny_ckpt, tmp_path, capsys):
     drafter = load_drafter(root / "drafter", num_target_layers=4)
     assert drafter.config.aux_layer_ids == Eagle3Config.default_aux_layer_ids(4)
     assert drafter.config.hidden_size == 64 and drafter.config.draft_vocab_size == 256
-    profile = CostModel(intercepts=(0.01,) * 8, beta=1e-4).save(tmp_path / "profile.json")
+    profile = CostModel(intercepts=(0.01,) * 8, beta=1e-4, copy_overhead=2e-4,
+                        link_share=1.0).save(tmp_path / "profile.json")  # a v3 profile: it prices copies
     out = tmp_path / "decode.json"
     decode_check.main(["--model", str(root / "ckpt"), "--drafter", str(root / "drafter"), "--slots", "12",
                        "--profile", str(profile), "--dtype", "float32", "--device", "cpu", "--threads", "1",
