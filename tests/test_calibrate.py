@@ -11,6 +11,7 @@ from conftest import SelfDrafter, tiny_moe
 
 import specfit
 from specfit.evaluation import calibrate as calibrate_module
+from specfit.evaluation import probes as probes_module
 from specfit.evaluation.calibrate import install
 from specfit.evaluation.probes import Calibration
 from specfit.selection.cost_model import CostModel, Record
@@ -234,8 +235,9 @@ def test_command_exits_non_zero_without_installing_a_poor_fit(tmp_path, monkeypa
         return Calibration(CostModel.fit(records, max_nodes=7, quality=quality, **meta), records, heldout)
 
     monkeypatch.setattr(calibrate_module, "_load", lambda args: (model, None))
-    monkeypatch.setattr(calibrate_module, "_prompt_ids", lambda args, tokenizer, model: PROMPTS)
-    monkeypatch.setattr(calibrate_module, "calibrate", fake_calibrate)
+    monkeypatch.setattr(calibrate_module, "_prompt_texts", lambda args: None)
+    monkeypatch.setattr(calibrate_module, "_prompt_ids", lambda args, texts, tokenizer, model: PROMPTS)
+    monkeypatch.setattr(probes_module, "calibrate", fake_calibrate)
     parser = ArgumentParser()
     calibrate_module.add_arguments(parser)
     threads = torch.get_num_threads()
