@@ -169,15 +169,15 @@ def check_arguments(args) -> None:
 
 
 def main(args) -> int:
+    if args.acceptance_only:
+        return _acceptance_only(args)
+    args.num_prompts = args.num_prompts or PROBES["num_prompts"]
+    texts = _prompt_texts(args)  # the data first: without it there is nothing to time, so say so before loading
     import torch
     from tqdm.auto import tqdm
 
     from .probes import calibrate
 
-    if args.acceptance_only:
-        return _acceptance_only(args)
-    args.num_prompts = args.num_prompts or PROBES["num_prompts"]
-    texts = _prompt_texts(args)  # the data first: without it there is nothing to time, so say so before loading
     if args.threads:
         torch.set_num_threads(args.threads)
     elif args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
@@ -210,6 +210,9 @@ def _acceptance_only(args) -> int:
     """``--acceptance-only``: fit the drafter's acceptance tables (see evaluation/acceptance_tables.py) and write them
     to the user cache under the drafter's key, where ``enable`` finds them first (selection/acceptance_cache.py), or
     to ``--out``. Nothing is written into the drafter's folder (for the embedded drafter: the installed package)."""
+    from . import datasets
+
+    texts = datasets.calibration_texts(args.num_prompts or ACCEPTANCE_PROMPTS)  # the data before torch and the model
     import torch
     from tqdm.auto import tqdm
 
@@ -222,11 +225,14 @@ def _acceptance_only(args) -> int:
     out = Path(args.out) if args.out else user_tables_path(drafter)  # a local folder: see check_arguments
     if args.slots is None:  # all resident: labels are not timed
         args.slots = cli_checks.experts_per_layer(_config(args))
+    if args.threads or args.model is None:  # the embedded model runs on the CPU, fastest on one thread
+        torch.set_num_threads(args.threads or 1)
     model, tokenizer = _load(args)
-    torch.set_num_threads(args.threads or (1 if model.specfit.device.type == "cpu" else torch.get_num_threads()))
+    if args.threads is None and model.specfit.device.type == "cpu":
+        torch.set_num_threads(1)
     if tokenizer is None:
         raise ValueError("--acceptance-only decodes text prompts and needs the model's tokenizer")
-    prompts = calibration_prompts(tokenizer, args.num_prompts or ACCEPTANCE_PROMPTS)
+    prompts = calibration_prompts(tokenizer, len(texts), texts)
     with tqdm(total=2 * len(prompts), desc="acceptance labels (greedy, then sampling)", unit="prompt") as bar:
         tables = fit_tables(model, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                             progress=lambda done: bar.update(done - bar.n))
