@@ -81,7 +81,6 @@ def _config() -> dict:
 def workload_prompts(args) -> tuple[dict[str, list[str]], str | None]:
     """The prompts of each workload, and the one note to print when the data could not be read (None if it was)."""
     from . import datasets
-    from .. import embedded
 
     if args.prompt is not None:
         return {YOURS: list(args.prompt)}, None

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ..stats.counters import Counters
+
+if TYPE_CHECKING:  # annotations only: the module is imported to parse the commands' options, without torch
+    import torch
 
 ORACLE = "acceptance-oracle"  # the assistant evaluation/oracle.py registers (imported where methods run: it needs torch)
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..evaluation.datasets import EOS_TEXT
+
+if TYPE_CHECKING:  # annotations only: train-target's options import this module, without transformers
+    from transformers import PreTrainedTokenizerFast
 
 EOS_ID = 0
 VOCAB_SIZE = 4096
