@@ -231,11 +231,11 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
     runtime = model.specfit
     max_nodes = runtime.options.max_nodes
     links = probe_links(model) if links is None else list(links)
-    need = least_records(max_nodes, folds)
-    if probes * len(links) < need:  # the cross-validation would refuse them after the minutes of probing
-        raise ValueError(f"probes must be >= {-(-need // len(links))} here: {probes} on {len(links)} link(s) give "
-                         f"{probes * len(links)} records, and a {folds}-fold cross-validation of a fit with up to "
-                         f"{max_nodes + 1} intercepts needs {need}")
+    need, most = least_records(max_nodes, folds), probes * len(links) * repeats  # most: every repeat fitted alone
+    if most < need:  # the cross-validation would refuse them after the minutes of probing, whatever the replays do
+        raise ValueError(f"probes must be >= {-(-need // (len(links) * repeats))} here: {probes} x {repeats} "
+                         f"repeats on {len(links)} link(s) give at most {most} records, and a {folds}-fold "
+                         f"cross-validation of a fit with up to {max_nodes + 1} intercepts needs {need}")
     rng = random.Random(seed)
     sizes = schedule(rng, max_nodes)
     report = progress or (lambda done, total: None)
