@@ -125,7 +125,9 @@ def main(args) -> int:
         print(f"specfit bench: the benchmark prompts are not available: {err}\n`specfit demo` runs without them, "
               f"on built-in prompts.", file=sys.stderr)
         return 2
-    _, tokenizer = load_instances(["ar"], 1, None)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded.TARGET_DIR)  # the tokenizer alone: no model loaded for it
     workloads = {w: [tokenizer(t, return_tensors="pt").input_ids[:, -MAX_PROMPT_TOKENS:] for t in prompts]
                  for w, prompts in texts.items()}
     link, how = link_seconds(args.link_ms)
@@ -274,9 +276,8 @@ def link_to_compute(link_s: float) -> float:
     """One token's full expert demand (layers x top-k copies) over one token's compute, on this machine."""
     from .. import embedded
 
-    instances, _ = load_instances(["ar"], 1, None)
-    config = instances["ar"].config
-    return config.num_hidden_layers * config.num_experts_per_tok * link_s / embedded.token_compute_seconds()
+    config = json.loads((embedded.TARGET_DIR / "config.json").read_text())  # its shape, without loading the model
+    return config["num_hidden_layers"] * config["num_experts_per_tok"] * link_s / embedded.token_compute_seconds()
 
 
 def _plot(rows: list[Row], path: Path) -> None:
