@@ -11,6 +11,7 @@ from conftest import SelfDrafter, tiny_moe
 
 import specfit
 from specfit.evaluation import calibrate as calibrate_module
+from specfit.evaluation import probes as probes_module
 from specfit.evaluation.calibrate import install
 from specfit.evaluation.probes import Calibration
 from specfit.selection.cost_model import CostModel, Record
@@ -215,6 +216,11 @@ def test_install_refuses_a_poor_fit_and_keeps_what_was_there(tmp_path, capsys):
     assert "CALIBRATION REFUSED" in err and REMEDY in err and "--force" in err and "R^2 0.08" in err
     assert install(poor_model(), path, force=True) == path and CostModel.load(path) == poor_model()
     assert "installed anyway (--force)" in capsys.readouterr().err
+    # calibrated by another command (bench, for the FP8 variant): the refusal names the command that fits it
+    install(poor_model(), tmp_path / "fp8.json", command="`specfit calibrate --fp8`")
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Remedy: calibrate with `specfit calibrate --fp8`: take more probes (--probes, --repeats)" in err
+    assert "run `specfit calibrate --fp8 --force` to install it anyway" in err and "rerun with" not in err
 
 
 def test_command_exits_non_zero_without_installing_a_poor_fit(tmp_path, monkeypatch, capsys):
@@ -234,8 +240,9 @@ def test_command_exits_non_zero_without_installing_a_poor_fit(tmp_path, monkeypa
         return Calibration(CostModel.fit(records, max_nodes=7, quality=quality, **meta), records, heldout)
 
     monkeypatch.setattr(calibrate_module, "_load", lambda args: (model, None))
-    monkeypatch.setattr(calibrate_module, "_prompt_ids", lambda args, tokenizer, model: PROMPTS)
-    monkeypatch.setattr(calibrate_module, "calibrate", fake_calibrate)
+    monkeypatch.setattr(calibrate_module, "_prompt_texts", lambda args: None)
+    monkeypatch.setattr(calibrate_module, "_prompt_ids", lambda args, texts, tokenizer, model: PROMPTS)
+    monkeypatch.setattr(probes_module, "calibrate", fake_calibrate)
     parser = ArgumentParser()
     calibrate_module.add_arguments(parser)
     threads = torch.get_num_threads()

@@ -1,6 +1,7 @@
 """``specfit.compare``: one call, methods interleaved prompt by prompt, whole calls timed, a table back; refusals
 before any decoding work; ``specfit demo`` built on it."""
 
+import re
 import sys
 
 import pytest
@@ -142,6 +143,16 @@ def test_demo_runs_on_compare_and_says_where_specfit_pays(capsys, monkeypatch):
     assert len(pays) == 1 and "slots" in pays[0] and "link" in pays[0]
     assert "1 CPU thread" in out  # the count the demo set, said
     assert out.count("SpecFit + cache") == 2 and "vs AR" in out
+    # progress: a line per prompt and workload with every method's tok/s (the datasets, or the built-in prompts)
+    for workload in ("GSM8K", "CNN/DailyMail"):
+        for i in (1, 2):
+            assert re.search(rf"^  \[{re.escape(workload)}\] prompt {i} of 2: AR [\d.]+, EAGLE-3 [\d.]+, SpecFit "
+                             rf"[\d.]+ tok/s \(\d+ s so far\)$", out, re.M), out[-3000:]
+        assert re.search(rf"^  {re.escape(workload)}: SpecFit [+-]\d+% over .* 2 prompts\)", out, re.M)
+        assert f"--- {workload}: prompt 1 of 2 ---" in out
+    assert "-0%" not in out and "prompt prompt" not in out
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert len(notes) == len(set(notes))  # each note once
 
 
 def test_compare_reports_what_the_copies_cost_and_both_forecasts(model):

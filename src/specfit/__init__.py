@@ -38,6 +38,7 @@ _LAZY = {
     # measuring on your own prompts, calibrating a model built in code
     "compare": "specfit.evaluation.comparison",
     "calibrate": "specfit.evaluation.calibrate:fit_profile",
+    "CalibrationRefused": "specfit.evaluation.calibrate",  # what specfit.calibrate raises for a fit it refuses
     "AcceptanceModel": "specfit.selection.acceptance_model",
     "AcceptanceTables": "specfit.selection.acceptance_model",
 }

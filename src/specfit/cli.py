@@ -1,5 +1,8 @@
 """The ``specfit`` command. Each subcommand lives in its own module, imported only when it runs, so ``specfit --help``
-stays fast; a subcommand module defines ``add_arguments(parser)`` and ``main(args) -> int | None``.
+stays fast; a subcommand module defines ``add_arguments(parser)``, ``check_arguments(args)`` and
+``main(args) -> int | None``. A subcommand's module imports nothing heavy (no torch, no transformers) at its top, so
+its ``--help`` and every refusal of its options come in a fraction of a second: ``check_arguments`` checks every
+option (``specfit.cli_checks``) before ``main`` imports torch or loads a model.
 """
 
 import argparse
@@ -38,8 +41,9 @@ TERMS = {
     "oracle": "exact routes from an extra target forward per drafted level: the paper's measurement device, not "
               "deployable; its time is counted and shown apart",
     "demand": "the experts a forward needs, summed over layers; copies are those not already in a slot",
-    "profile": "the fitted cycle-time model a(n) + beta * demand (per device, model, slots, cache mode and link) "
-               "that SpecFit's selector uses; `specfit calibrate` makes it",
+    "profile": "the fitted cycle-time model a(n) + beta * demand + copy * misses that SpecFit's selector uses: one "
+               "per machine and model (and the dtype it computes in), pricing every slot count, cache mode and link; "
+               "`specfit calibrate` makes it",
 }
 
 
@@ -68,13 +72,19 @@ SUBCOMMANDS = {
               "Reproduce the paper's table on the embedded model: AR, EAGLE-3 vanilla, EAGLE-3 and SpecFit (plus "
               "SpecFit with oracle routes) over a sweep of slot counts, with no link cost and with an emulated host "
               "link, on CNN/DailyMail and GSM8K test prompts. Writes results.json and a PNG of tok/s against slots. "
-              "A SpecFit row without a cost profile for its setup is calibrated first. --quick is a smoke run."),
+              "SpecFit uses this machine's cost profile for the model (one per machine and model, pricing every "
+              "slot count, cache mode and link), else the reference profile shipped for the embedded model; a "
+              "model with neither (the FP8 variant) is calibrated first. --quick is a smoke run."),
     "calibrate": ("specfit.evaluation.calibrate",
-                  "fit this machine's cycle-time model a(n) + beta * demand, check it, install it",
-                  "Fit the cycle-time model time(n, demand) = a(n) + beta * demand on this machine for one model, "
-                  "slot count, cache mode and link, from timed probe cycles; check the fit (held-out error, bootstrap "
-                  "intervals, the selector's stability) and install the profile in the user cache, where "
-                  "specfit.enable finds it. A poor fit is refused with the remedy (--force installs it anyway)."),
+                  "fit this machine's cost profile for a model (once per machine and model), check it, install it",
+                  "Fit the cycle-time model time = a(n) + beta * demand + copy * misses on this machine for one model "
+                  "(in the dtype it computes in: --dtype), from timed probe cycles: a(n) per verified node count n, "
+                  "beta per expert computed, and per expert copied an overhead plus a share of the link's own time. "
+                  "One profile per machine and model prices every slot count, cache mode and link, since those change "
+                  "only how often an expert misses and what the link takes per copy. Checks the fit (held-out error, "
+                  "bootstrap intervals, the selector's stability) and installs the profile in the user cache, where "
+                  "specfit.enable finds it. A poor fit is refused with the remedy (--force installs it anyway). A few "
+                  "minutes on a CPU with the defaults; every option is checked before anything loads."),
     "make-fp8": ("specfit.embedded.fp8", "write the embedded model's block-wise FP8 variant to a folder",
                  "Quantize the embedded target's projections to e4m3 with a float32 weight_scale_inv per 8x16 block "
                  "(the hub's FP8 layout; router, norms and embeddings stay bf16). `specfit demo --fp8` and "
@@ -84,7 +94,7 @@ SUBCOMMANDS = {
                      "(needs the local data folder)."),
     "train-drafter": ("specfit.training.drafter", "train the embedded EAGLE-3 drafter on target-generated text",
                       "Train the embedded EAGLE-3 drafter on responses the target generates."),
-    "train-router": ("specfit.training.router", "train the route predictor for draft nodes",
+    "train-router": ("specfit.training.router_command", "train the route predictor for draft nodes",
                      "Train the route predictor that tells SpecFit which experts a draft token will use (saved "
                      "beside the drafter, where route_source='auto' finds it)."),
 }
@@ -147,8 +157,10 @@ def main(argv=None) -> int:
     args = command_parser(name).parse_args(argv[1:])
     from .evaluation.datasets import DataUnavailable  # light: no torch
 
+    module = import_module(SUBCOMMANDS[name][0])
     try:
-        return int(import_module(SUBCOMMANDS[name][0]).main(args) or 0)
+        module.check_arguments(args)  # every option, before main imports torch or loads anything
+        return int(module.main(args) or 0)
     except (ValueError, FileNotFoundError, DataUnavailable) as err:  # refusals: what and why, without a traceback
         if os.environ.get("SPECFIT_TRACEBACK"):
             raise

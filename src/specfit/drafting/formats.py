@@ -138,6 +138,7 @@ def load_drafter(
         drafter.to(device)
     if target is not None and drafter.embed_tokens is None:
         drafter.set_embedding(target.get_input_embeddings())
+    drafter.name_or_path = str(path_or_dir)  # where it came from, as transformers' models keep it (for remedies)
     return drafter
 
 

@@ -63,9 +63,36 @@ def load(cache_slots: int, *, drafter: bool = True, dtype=None, fp8: bool = Fals
     model = from_pretrained(path, cache_slots=cache_slots, dtype=dtype or torch.float32, device="cpu",
                             drafter=str(DRAFTER_DIR) if drafter else None, **enable_kwargs)
     model.config._name_or_path = str(path) if fp8 else MODEL_ID
-    # what warnings name to fit this machine's profile for it
-    model.specfit.calibrate_command = "specfit calibrate" + (" --fp8" if fp8 else "")
+    # what warnings name to fit this machine's profile for it: the profile is filed under the dtype computed in
+    model.specfit.calibrate_command = calibrate_command(fp8, dtype)
+    # what a refused cast names to load it again in another dtype (offload/moves.py), drafter and link kept
+    model.specfit.load_call = _load_call(cache_slots, drafter, fp8, enable_kwargs)
     return model, AutoTokenizer.from_pretrained(TARGET_DIR)
+
+
+def _load_call(cache_slots: int, drafter: bool, fp8: bool, enable_kwargs: dict) -> str:
+    """This ``load`` call as Python, with ``{dtype}`` where the dtype goes; the link as it was given (the structural
+    default by its rule, so the call measures it again)."""
+    args = [str(cache_slots)] + ([] if drafter else ["drafter=False"]) + (["fp8=True"] if fp8 else [])
+    link = enable_kwargs.get("link")
+    if link is not None and getattr(link, "relative", None) is not None:
+        args.append("link=specfit.embedded.default_link()" if link.relative == 1 else
+                    f"link=specfit.embedded.default_link({link.relative!r})")
+    elif link is not None:
+        args.append(f"link={link!r}" if isinstance(link, (int, float)) else f"link=specfit.{link!r}")
+    if enable_kwargs.get("cache_mode", "cached") != "cached":
+        args.append(f"cache_mode={enable_kwargs['cache_mode']!r}")
+    return f"model, tokenizer = specfit.embedded.load({', '.join(args)}, {{dtype}})"
+
+
+def calibrate_command(fp8: bool = False, dtype=None) -> str:
+    """The command that fits this machine's profile for ``load(fp8=fp8, dtype=dtype)``.
+
+    >>> calibrate_command(True, "bfloat16")
+    'specfit calibrate --fp8 --dtype bfloat16'
+    """
+    name = str(dtype or "float32").replace("torch.", "")
+    return "specfit calibrate" + (" --fp8" if fp8 else "") + ("" if name == "float32" else f" --dtype {name}")
 
 
 def is_embedded(model) -> bool:

@@ -84,6 +84,19 @@ def add_arguments(p) -> None:
     p.add_argument("--source", default=None, help="bf16 checkpoint folder (default: the embedded target)")
 
 
+def check_arguments(args) -> None:
+    """OUT must be a folder or not exist yet; ``--source`` a bf16 checkpoint folder (config.json, model.safetensors)."""
+    from ..cli_checks import folder
+
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"OUT {args.out!r} is a file; it names the folder to write the FP8 checkpoint to")
+    if args.source is not None:
+        source = folder(args.source, "--source", must_hold="config.json")
+        if not (source / "model.safetensors").is_file():
+            raise ValueError(f"--source {args.source!r} holds no model.safetensors (one file of bf16 weights, as the "
+                             f"embedded target's)")
+
+
 def main(args) -> int:
     out = make_fp8(args.out, args.source)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))

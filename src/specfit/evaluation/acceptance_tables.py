@@ -52,16 +52,13 @@ def collect(model, prompts: list[torch.Tensor], sampling: bool = False, max_new_
     return records
 
 
-def calibration_prompts(tokenizer, num_prompts: int) -> list[torch.Tensor]:
-    """``num_prompts`` token-id prompts: GSM8K train questions and CNN/DailyMail articles from the end of the test
-    file (cut at 1500 characters), alternating."""
+def calibration_prompts(tokenizer, num_prompts: int, texts: list[str] | None = None) -> list[torch.Tensor]:
+    """``datasets.calibration_texts(num_prompts)`` (or ``texts``, read before) as token ids, the last 450 tokens of
+    each."""
     from . import datasets
 
-    gsm = [datasets.GSM8K_PROMPT.format(question=r["question"]) for r in datasets.gsm8k("train", num_prompts)]
-    articles = datasets.cnn_dailymail()[::-1][: num_prompts]
-    cnn = [datasets.CNN_PROMPT.format(article=r["article"][:1500]) for r in articles]
-    texts = [t for pair in zip(gsm, cnn) for t in pair] + gsm[len(cnn):]
-    return [tokenizer(t, return_tensors="pt").input_ids[:, -MAX_PROMPT_TOKENS:] for t in texts[:num_prompts]]
+    texts = datasets.calibration_texts(num_prompts) if texts is None else texts
+    return [tokenizer(t, return_tensors="pt").input_ids[:, -MAX_PROMPT_TOKENS:] for t in texts]
 
 
 def fit_tables(model, prompts: list[torch.Tensor], max_new_tokens: int = 64, temperature: float = 1.0,

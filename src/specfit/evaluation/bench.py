@@ -38,12 +38,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
+from .. import cli_checks
 from . import regime_map, reliability
-from .oracle import NAME as ORACLE
-from .harness import (LABELS, LEGEND, METHODS, PAPER_METHODS, Row, format_table, link_seconds, load_instances,
-                      paper_table, side_by_side)
+from .harness import (LABELS, LEGEND, METHODS, ORACLE, PAPER_METHODS, Row, format_table, link_seconds,
+                      load_instances, paper_table, side_by_side)
 
 SLOTS = ("24", "12", "6", "none")
 REGIMES = ("no-link", "emulated")
@@ -85,7 +83,29 @@ def add_arguments(p) -> None:
     p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
 
 
+def check_arguments(args) -> None:
+    """Every option, before anything loads (no torch imported): a refusal names the value and the valid range."""
+    from ..embedded.paths import TARGET_DIR
+
+    regime_map.check_arguments(args)
+    cli_checks.at_least(args, 1, "cnn_prompts", "gsm8k_prompts", "max_new_tokens", "threads")
+    cli_checks.milliseconds(args, "link_ms")
+    experts = cli_checks.experts_per_layer(json.loads((TARGET_DIR / "config.json").read_text()))
+    bad = [s for s in args.slots if s != "none" and not (s.isdigit() and 1 <= int(s) <= experts)]
+    if bad:
+        raise ValueError(f"--slots are expert slots per layer, each in 1..{experts} (the embedded model's experts "
+                         f"per layer) or 'none' (no cache), got {' '.join(bad)}")
+    bad = [s for s in args.map_slots if s > experts]
+    if bad:
+        raise ValueError(f"--map-slots are expert slots per layer, each in 1..{experts} (the embedded model's experts "
+                         f"per layer), got {bad}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r} is a file; it names the folder for results.json and the plots")
+
+
 def main(args) -> int:
+    import torch
+
     from . import datasets
     from .. import embedded
 
@@ -94,7 +114,6 @@ def main(args) -> int:
         args.methods = list(PAPER_METHODS) + ["prompt-lookup", "specfit-paper", "specfit-oracle", ORACLE]
     if args.quick:
         args.cnn_prompts, args.gsm8k_prompts, args.max_new_tokens = 4, 4, 32
-    regime_map.check_arguments(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -106,7 +125,9 @@ def main(args) -> int:
         print(f"specfit bench: the benchmark prompts are not available: {err}\n`specfit demo` runs without them, "
               f"on built-in prompts.", file=sys.stderr)
         return 2
-    _, tokenizer = load_instances(["ar"], 1, None)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded.TARGET_DIR)  # the tokenizer alone: no model loaded for it
     workloads = {w: [tokenizer(t, return_tensors="pt").input_ids[:, -MAX_PROMPT_TOKENS:] for t in prompts]
                  for w, prompts in texts.items()}
     link, how = link_seconds(args.link_ms)
@@ -231,12 +252,13 @@ def _report(rows: list[Row], args) -> str:
 
 
 def _ensure_profile(model, tokenizer) -> None:
-    """SpecFit needs a cost profile for this machine, slot count, cache mode and link; calibrate one if missing."""
+    """SpecFit needs a cost profile for this machine and model (one prices every slot count, cache mode and link):
+    this machine's, else the reference shipped for the model; calibrate one if there is neither (the FP8 variant)."""
     from . import datasets
     from .calibrate import describe, install
     from .probes import PROBES, calibrate
     from ..selection.profile_files import profile_path
-    from ..selection.profiles import find_profile, profile_key
+    from ..selection.profiles import calibrate_command, find_profile, profile_key
 
     if find_profile(model) is not None:
         return
@@ -245,7 +267,8 @@ def _ensure_profile(model, tokenizer) -> None:
                for r in datasets.gsm8k("train", PROBES["num_prompts"])]
     cost = calibrate(model, prompts).cost
     print(describe(cost))
-    install(cost, profile_path(**profile_key(model)))  # a poor fit is used for this run but not installed
+    # a poor fit is used for this run but not installed; the refusal names the command that fits one
+    install(cost, profile_path(**profile_key(model)), command=calibrate_command(model))
     model.specfit.cost_model = cost
 
 
@@ -253,9 +276,8 @@ def link_to_compute(link_s: float) -> float:
     """One token's full expert demand (layers x top-k copies) over one token's compute, on this machine."""
     from .. import embedded
 
-    instances, _ = load_instances(["ar"], 1, None)
-    config = instances["ar"].config
-    return config.num_hidden_layers * config.num_experts_per_tok * link_s / embedded.token_compute_seconds()
+    config = json.loads((embedded.TARGET_DIR / "config.json").read_text())  # its shape, without loading the model
+    return config["num_hidden_layers"] * config["num_experts_per_tok"] * link_s / embedded.token_compute_seconds()
 
 
 def _plot(rows: list[Row], path: Path) -> None:

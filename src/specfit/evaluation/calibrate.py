@@ -12,16 +12,15 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
-import torch
+from .. import cli_checks
+from ..calibration import LEAST, PROBES
 
-from ..selection.cost_model import CostModel, Record
-from ..selection.fit_quality import REMEDY
-from ..selection.profile_files import profile_path
-from ..selection.profiles import profile_key
-from .probes import PROBES, Calibration, calibrate
-
+WHY_LEAST = {"probes": "each fit of the 5-fold cross-validation needs more records than coefficients",
+             "bootstrap": "refits for the 95% intervals",
+             "max_new_tokens": f"the first {PROBES['warmup_cycles']} cycles of a prompt warm up and are not probes"}
 ACCEPTANCE_PROMPTS = 24  # --acceptance-only: calibration prompts (each decoded greedily and sampled)
 READ_THE_PLOT = ("how to read the plot: one point per probe configuration and link (its fastest repeat); filled dots "
                  "are the fit, hollow circles the same probes predicted by a fit that held them out; on the dashed "
@@ -29,17 +28,38 @@ READ_THE_PLOT = ("how to read the plot: one point per probe configuration and li
                  "generalise")
 
 
-def fit_profile(model, prompts, *, out=None, force: bool = False, **options) -> CostModel:
+class CalibrationRefused(RuntimeError):
+    """``specfit.calibrate`` fitted a profile that failed the quality gate, so it installed nothing: ``profile`` is
+    the rejected ``CostModel`` (its ``quality`` says why), ``path`` where a copy was written for inspection (a name
+    ``enable`` never reads). ``force=True`` installs such a fit anyway."""
+
+    def __init__(self, message: str, profile, path: Path):
+        super().__init__(message)
+        self.profile, self.path = profile, path
+
+
+def fit_profile(model, prompts, *, out=None, force: bool = False, **options):
     """Calibrate this machine for ``model`` (enabled, with a drafter) and install the profile where ``enable`` finds
     it, as ``specfit calibrate`` does, for a model built in code: ``prompts`` are token-id tensors ([1, P] or [P])
-    or lists of ids; ``options`` go to ``calibrate`` (``probes``, ``repeats``, ``links``, ...). Returns the profile
-    (priced for the model's link). A poor fit is not installed (``force=True`` installs it; enable warns)."""
+    or lists of ids; ``options`` go to the probes (``probes``, ``repeats``, ``bootstrap``, ``max_new_tokens``,
+    ``seed``, ``links``, ...), checked before any probe runs. Keep one CPU thread (``torch.set_num_threads(1)``) on a
+    CPU: more make the timer noisy.
+
+    Returns the installed profile (priced for the model's link). A poor fit is not installed: it raises
+    ``CalibrationRefused`` (the reasons and the remedy in its message, the rejected profile as ``.profile``); with
+    ``force=True`` it is installed anyway, with a ``RuntimeWarning`` (and ``enable`` warns whenever it loads it)."""
+    import torch
+
+    from ..selection.profile_files import profile_path
+    from ..selection.profiles import profile_key
+    from .probes import calibrate
+
     ids = [p if isinstance(p, torch.Tensor) else torch.tensor(p) for p in prompts]
     ids = [(p if p.dim() == 2 else p[None]).to(model.specfit.device) for p in ids]
     if not ids:
-        raise ValueError("fit_profile needs at least one prompt (token ids of the model's tokenizer)")
+        raise ValueError("specfit.calibrate needs at least one prompt (token ids of the model's tokenizer)")
     result = calibrate(model, ids, **options)
-    install(result.cost, Path(out) if out else profile_path(**profile_key(model)), force=force)
+    install(result.cost, Path(out) if out else profile_path(**profile_key(model)), force=force, python=True)
     return result.cost
 
 
@@ -71,8 +91,12 @@ def add_arguments(p) -> None:
     p.add_argument("--default-link", type=float, nargs="?", const=1.0, default=None, metavar="RATIO",
                    help="the embedded model's structural default link (a token's expert copies = 1.4x its compute, "
                         "measured here), times RATIO (default 1): what the demo and the bench use")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="the dtype the model computes in (default: the checkpoint's; the embedded model's: float32); "
+                        "a profile is filed under it, so each dtype gets one of its own, e.g. for "
+                        "specfit.embedded.load(..., dtype=torch.bfloat16)")
+    p.add_argument("--device", default=None,
+                   help="cuda | cuda:N | cpu (default: cuda when available; the embedded model: cpu only)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on a CPU device: 1, as `specfit bench` and `demo` use; more "
                         "threads fight other jobs for the cores and make the timer noisy)")
@@ -90,14 +114,70 @@ def add_arguments(p) -> None:
                         "folder's own acceptance.json (or to --out); --slots defaults to all experts")
 
 
-def main(args) -> int:
-    from tqdm.auto import tqdm
+def check_arguments(args) -> None:
+    """Every option, before anything loads (``specfit.cli`` calls this before ``main``): counts and ranges, the
+    model's config (a folder's ``config.json``, or a hub id's), the drafter folder, the prompts, the link, the device.
+    Reads JSON only: no torch, no model."""
+    from ..embedded.paths import DRAFTER_DIR, TARGET_DIR
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    check = cli_checks
+    if args.fp8 and args.model is not None:
+        raise ValueError("--fp8 picks the embedded model's FP8 variant; for a checkpoint of your own give --model "
+                         "FOLDER alone (its config says how its experts are stored)")
+    for name, low in LEAST.items():
+        check.at_least(args, low, name, why=WHY_LEAST.get(name))
+    check.at_least(args, 1, "threads")
+    check.milliseconds(args, "link_ms")
+    if args.default_link is not None and not args.default_link >= 0:
+        raise ValueError(f"--default-link RATIO scales the structural default link, a number >= 0 (0: no link), got "
+                         f"{args.default_link}")
+    if args.default_link is not None and args.link_ms is not None:
+        raise ValueError("give --link-ms or --default-link, not both")
+    if args.model is None and args.device is not None and not args.device.startswith("cpu"):
+        raise ValueError(f"--device {args.device}: the embedded model runs on the CPU only (specfit.embedded.load); "
+                         f"leave --device out, or calibrate a checkpoint of your own with --model")
+    check.cuda_device(args)
+    config = check.checkpoint_config(args.model) if args.model else json.loads((TARGET_DIR / "config.json").read_text())
+    experts = check.experts_per_layer(config)
+    if args.slots is not None and experts is not None and not 1 <= args.slots <= experts:
+        raise ValueError(f"--slots must be in 1..{experts} (the model's experts per MoE layer), got {args.slots}")
+    check.at_least(args, 1, "slots")
+    if args.slots is None and experts is None:
+        raise ValueError("cannot tell the model's experts per MoE layer from its config; pass --slots N")
+    if args.drafter is not None:
+        if Path(args.drafter).expanduser().exists():
+            check.folder(args.drafter, "--drafter", must_hold="config.json")
+        elif not check.HUB_ID.match(args.drafter):
+            raise ValueError(f"--drafter {args.drafter!r} is neither a local EAGLE-3 checkpoint folder (no such path) "
+                             f"nor a hub id (owner/name)")
+    if args.acceptance_only:
+        drafter = args.drafter or (str(DRAFTER_DIR) if args.model is None else None)
+        if not args.out and (drafter is None or not Path(drafter).is_dir()):
+            raise ValueError("--acceptance-only files the tables in the user cache under a local drafter folder's "
+                             "content; pass --drafter FOLDER (a local EAGLE-3 checkpoint folder) or --out PATH")
+        return
+    if args.prompts not in ("gsm8k", "cnn", "random"):
+        if not args.prompts.endswith(".jsonl"):
+            raise ValueError(f"--prompts must be gsm8k, cnn, random or a .jsonl file, got {args.prompts!r}")
+        if not Path(args.prompts).is_file():
+            raise ValueError(f"--prompts {args.prompts!r}: no such file (a .jsonl with a 'question' or 'text' field "
+                             f"per line)")
+    local = Path(args.model).expanduser() if args.model else None
+    if args.prompts != "random" and local is not None and local.is_dir() and not check.has_tokenizer(local):
+        raise ValueError(f"--prompts {args.prompts} needs the model's tokenizer, and {args.model} has none "
+                         f"({', '.join(check.TOKENIZER_FILES)}); use --prompts random")
+
+
+def main(args) -> int:
     if args.acceptance_only:
         return _acceptance_only(args)
     args.num_prompts = args.num_prompts or PROBES["num_prompts"]
+    texts = _prompt_texts(args)  # the data first: without it there is nothing to time, so say so before loading
+    import torch
+    from tqdm.auto import tqdm
+
+    from .probes import calibrate
+
     if args.threads:
         torch.set_num_threads(args.threads)
     elif args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
@@ -105,7 +185,7 @@ def main(args) -> int:
     t0 = time.perf_counter()
     model, tokenizer = _load(args)
     print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
-    prompts = _prompt_ids(args, tokenizer, model)
+    prompts = _prompt_ids(args, texts, tokenizer, model)
     with tqdm(desc="calibration (planning round, then timed rounds)", unit="generate") as bar:
         def progress(done, total):
             bar.total = total
@@ -115,6 +195,8 @@ def main(args) -> int:
         result = calibrate(model, prompts, probes=args.probes, repeats=args.repeats, seed=args.seed,
                            max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress)
     cost = result.cost
+    from ..selection.profile_files import profile_path
+
     path = Path(args.out or profile_path(cost.meta["device"], cost.meta["model_key"]))
     print(describe(cost))
     written = install(cost, path, force=args.force)
@@ -128,6 +210,10 @@ def _acceptance_only(args) -> int:
     """``--acceptance-only``: fit the drafter's acceptance tables (see evaluation/acceptance_tables.py) and write them
     to the user cache under the drafter's key, where ``enable`` finds them first (selection/acceptance_cache.py), or
     to ``--out``. Nothing is written into the drafter's folder (for the embedded drafter: the installed package)."""
+    from . import datasets
+
+    texts = datasets.calibration_texts(args.num_prompts or ACCEPTANCE_PROMPTS)  # the data before torch and the model
+    import torch
     from tqdm.auto import tqdm
 
     from .acceptance_tables import calibration_prompts, describe as describe_tables, fit_tables
@@ -136,22 +222,17 @@ def _acceptance_only(args) -> int:
     from .. import embedded
 
     drafter = args.drafter or (embedded.DRAFTER_DIR if args.model is None else None)
-    if args.out:
-        out = Path(args.out)
-    elif drafter is None or not Path(drafter).is_dir():
-        raise ValueError("--acceptance-only files the tables in the user cache under a local drafter folder's "
-                         "content; pass --drafter FOLDER (a local EAGLE-3 checkpoint folder) or --out PATH")
-    else:
-        out = user_tables_path(drafter)  # checked and named before the model loads
-    if args.slots is None:
-        from transformers import AutoConfig
-
-        args.slots = AutoConfig.from_pretrained(embedded.TARGET_DIR if args.model is None else args.model).num_experts
+    out = Path(args.out) if args.out else user_tables_path(drafter)  # a local folder: see check_arguments
+    if args.slots is None:  # all resident: labels are not timed
+        args.slots = cli_checks.experts_per_layer(_config(args))
+    if args.threads or args.model is None:  # the embedded model runs on the CPU, fastest on one thread
+        torch.set_num_threads(args.threads or 1)
     model, tokenizer = _load(args)
-    torch.set_num_threads(args.threads or (1 if model.specfit.device.type == "cpu" else torch.get_num_threads()))
+    if args.threads is None and model.specfit.device.type == "cpu":
+        torch.set_num_threads(1)
     if tokenizer is None:
         raise ValueError("--acceptance-only decodes text prompts and needs the model's tokenizer")
-    prompts = calibration_prompts(tokenizer, args.num_prompts or ACCEPTANCE_PROMPTS)
+    prompts = calibration_prompts(tokenizer, len(texts), texts)
     with tqdm(total=2 * len(prompts), desc="acceptance labels (greedy, then sampling)", unit="prompt") as bar:
         tables = fit_tables(model, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed,
                             progress=lambda done: bar.update(done - bar.n))
@@ -167,11 +248,16 @@ def _acceptance_only(args) -> int:
     return 0
 
 
-def install(cost: CostModel, path, force: bool = False) -> Path:
-    """Write the profile to ``path`` unless its fit is poor, in which case it goes to ``path + ".rejected"`` (a
-    name neither ``enable()`` nor the reference lookup reads), a loud refusal with the remedy is printed, and
-    whatever was at ``path`` stays. ``force`` installs a poor profile anyway (``enable()`` warns when it loads it).
-    Returns the path written."""
+def install(cost, path, force: bool = False, python: bool = False, command: str | None = None) -> Path:
+    """Write the profile (a ``CostModel``) to ``path`` unless its fit is poor, in which case it goes to
+    ``path + ".rejected"`` (a name neither ``enable()`` nor the reference lookup reads), a loud refusal with the
+    remedy is printed, and whatever was at ``path`` stays. ``force`` installs a poor profile anyway (``enable()``
+    warns when it loads it). Returns the path written. ``python``: called as ``specfit.calibrate(...)``, so the
+    refusal speaks of its keyword arguments and is raised (``CalibrationRefused``), the forced install warns
+    (``RuntimeWarning``), instead of printing the command's words. ``command``: calibrated by another command
+    (``specfit bench``), the refusal names this calibration command (e.g. ```specfit calibrate --fp8```)."""
+    from ..selection.fit_quality import REMEDY, REMEDY_PYTHON
+
     path = Path(path)
     quality = cost.quality or {}
     if quality.get("verdict") != "poor":
@@ -179,21 +265,31 @@ def install(cost: CostModel, path, force: bool = False) -> Path:
         print(f"profile written to {path}")
         return path
     reasons = "".join(f"\n  - {reason}" for reason in quality.get("reasons", []))
+    remedy, force_it = (REMEDY_PYTHON, "force=True") if python else (REMEDY, "--force")
     if force:
         cost.save(path)
-        print(f"WARNING: the fit is unreliable and was installed anyway (--force) at {path}:{reasons}\n"
-              f"  SpecFit will warn whenever it loads it. Remedy: {REMEDY}.", file=sys.stderr)
+        text = (f"the fit is unreliable and was installed anyway ({force_it}) at {path}:{reasons}\n"
+                f"  SpecFit will warn whenever it loads it. Remedy: {remedy}.")
+        if python:
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+        else:
+            print(f"WARNING: {text}", file=sys.stderr)
         return path
     rejected = path.with_name(path.name + ".rejected")
     cost.save(rejected)
-    print(f"\nCALIBRATION REFUSED: the fit is unreliable, so it was NOT installed at {path}:{reasons}\n"
-          f"  Remedy: {REMEDY}.\n"
-          f"  The rejected profile is at {rejected} for inspection; rerun with --force to install it anyway.\n",
-          file=sys.stderr)
+    again = ("call specfit.calibrate again with force=True" if python else
+             f"run `{command.strip('`')} --force`" if command else "rerun with --force")
+    remedy = f"calibrate with {command}: {remedy}" if command else remedy
+    text = (f"CALIBRATION REFUSED: the fit is unreliable, so it was NOT installed at {path}:{reasons}\n"
+            f"  Remedy: {remedy}.\n"
+            f"  The rejected profile is at {rejected} for inspection; {again} to install it anyway.")
+    if python:
+        raise CalibrationRefused(text, cost, rejected)
+    print(f"\n{text}\n", file=sys.stderr)
     return rejected
 
 
-def describe(cost: CostModel) -> str:
+def describe(cost) -> str:
     m, q = cost.meta, cost.quality or {}
     probes = m.get("probes") or {}
 
@@ -244,7 +340,7 @@ def describe(cost: CostModel) -> str:
     return "\n".join(lines)
 
 
-def plot_fit(result: Calibration, path) -> None:
+def plot_fit(result, path) -> None:
     try:
         import matplotlib
 
@@ -279,7 +375,7 @@ def plot_fit(result: Calibration, path) -> None:
     print(READ_THE_PLOT)
 
 
-def _predict(cost: CostModel, record: Record) -> float:
+def _predict(cost, record) -> float:
     """A record's predicted seconds, its copies priced at the link it ran over."""
     priced = cost.priced(record.link_seconds) if cost.prices_copies else cost
     return priced.predict(record.n_nodes, record.demand, misses=record.misses)
@@ -289,38 +385,40 @@ SLOT_SHARE = 48 / 128  # --slots by default: the paper's headline setting, 48 of
 
 
 def default_slots(config) -> int:
-    """``SLOT_SHARE`` of the model's experts per layer (at least 1), read from its config."""
-    text = config.get_text_config(decoder=True)
-    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
-        n = getattr(text, name, None)
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            return max(1, round(n * SLOT_SHARE))
-    raise ValueError("cannot tell the model's experts per layer from its config; pass --slots N")
+    """``SLOT_SHARE`` of the model's experts per layer (at least 1), read from its config (a transformers config
+    or the dict of a ``config.json``)."""
+    n = cli_checks.experts_per_layer(config if isinstance(config, dict) else config.to_dict())
+    if n is None:
+        raise ValueError("cannot tell the model's experts per layer from its config; pass --slots N")
+    return max(1, round(n * SLOT_SHARE))
+
+
+def _config(args) -> dict:
+    """The model's ``config.json`` (checked readable by ``check_arguments``)."""
+    from ..embedded.paths import TARGET_DIR
+
+    return cli_checks.checkpoint_config(args.model) if args.model else json.loads((TARGET_DIR / "config.json")
+                                                                                   .read_text())
 
 
 def _load(args):
-    from transformers import AutoConfig
+    import torch
 
     from .. import embedded
     from ..offload.link import LinkConfig
 
     if args.slots is None:
-        args.slots = default_slots(AutoConfig.from_pretrained(args.model or embedded.TARGET_DIR))
+        args.slots = default_slots(_config(args))
         print(f"--slots not given: {args.slots} slots per MoE layer (3/8 of the model's experts, as the paper's 48 of "
               f"128)", flush=True)
-    if getattr(args, "fp8", False) and args.model is not None:
-        raise ValueError("--fp8 picks the embedded model's FP8 variant; for a checkpoint of your own give --model "
-                         "FOLDER alone (its config says how its experts are stored)")
-    if args.default_link is not None and args.link_ms:
-        raise ValueError("give --link-ms or --default-link, not both")
     if args.default_link is not None:
         link = embedded.default_link(args.default_link) if args.default_link > 0 else None
     else:
         link = LinkConfig(seconds_per_expert=args.link_ms / 1e3) if args.link_ms else None
     kw = dict(cache_mode=args.cache_mode, link=link)
-    if args.model is None:
-
-        model, tokenizer = embedded.load(args.slots, fp8=getattr(args, "fp8", False), **kw)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.model is None:  # the profile is filed under the dtype computed in: --dtype gets one of its own
+        model, tokenizer = embedded.load(args.slots, fp8=args.fp8, dtype=dtype, **kw)
         if args.drafter:
             from ..patch import set_drafter
 
@@ -328,7 +426,6 @@ def _load(args):
         return model, tokenizer
     from ..patch import from_pretrained
 
-    dtype = getattr(torch, args.dtype) if args.dtype else None
     model = from_pretrained(args.model, cache_slots=args.slots, dtype=dtype, device=args.device,
                             drafter=args.drafter, **kw)
     try:
@@ -340,22 +437,32 @@ def _load(args):
     return model, tokenizer
 
 
-def _prompt_ids(args, tokenizer, model) -> list[torch.Tensor]:
+def _prompt_texts(args) -> list[str] | None:
+    """The prompts' text, read before the model loads (None for ``--prompts random``: token ids drawn later)."""
     from . import datasets
 
-    device = model.specfit.device
     if args.prompts == "random":
+        return None
+    if args.prompts in ("gsm8k", "cnn"):
+        return datasets.prompts(args.prompts, args.num_prompts, max_chars=1500)
+    rows = [json.loads(line) for line in open(args.prompts, encoding="utf-8") if line.strip()]
+    texts = [datasets.GSM8K_PROMPT.format(question=r["question"]) if "question" in r else r.get("text")
+             for r in rows[: args.num_prompts]]
+    if not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ValueError(f"--prompts {args.prompts}: every line needs a 'question' or 'text' field (a non-empty "
+                         f"string), and the file at least one line")
+    return texts
+
+
+def _prompt_ids(args, texts, tokenizer, model) -> list:
+    import torch
+
+    device = model.specfit.device
+    if texts is None:  # --prompts random
         g = torch.Generator().manual_seed(args.seed)
         vocab = model.config.vocab_size
         return [torch.randint(1, vocab, (1, 32), generator=g).to(device) for _ in range(args.num_prompts)]
     if tokenizer is None:
         raise ValueError(f"--prompts {args.prompts} needs a tokenizer, and none was found with the model; "
                          f"use --prompts random")
-    if args.prompts in ("gsm8k", "cnn"):
-        texts = datasets.prompts(args.prompts, args.num_prompts, max_chars=1500)
-    elif args.prompts.endswith(".jsonl"):
-        rows = [json.loads(line) for line in open(args.prompts, encoding="utf-8") if line.strip()]
-        texts = [datasets.GSM8K_PROMPT.format(question=r["question"]) if "question" in r else r["text"]
-                 for r in rows[: args.num_prompts]]
-    else:
-        raise ValueError(f"--prompts must be gsm8k, cnn, random or a .jsonl file, got {args.prompts!r}")
+    return [tokenizer(t, return_tensors="pt").input_ids.to(device) for t in texts]

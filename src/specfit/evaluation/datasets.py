@@ -114,3 +114,12 @@ def prompts(workload: str, limit: int, max_chars: int | None = None) -> list[str
             out.append(CNN_PROMPT.format(article=article))
         return out
     raise ValueError(f"unknown workload {workload!r}; choose 'gsm8k' or 'cnn'")
+
+
+def calibration_texts(num_prompts: int) -> list[str]:
+    """The acceptance tables' calibration prompts (``acceptance_tables``): GSM8K *train* questions and CNN/DailyMail
+    articles from the *end* of the test file (the benchmarks read its first rows), cut at 1500 characters,
+    alternating."""
+    gsm = [GSM8K_PROMPT.format(question=r["question"]) for r in gsm8k("train", num_prompts)]
+    cnn = [CNN_PROMPT.format(article=r["article"][:1500]) for r in cnn_dailymail()[::-1][:num_prompts]]
+    return ([t for pair in zip(gsm, cnn) for t in pair] + gsm[len(cnn):])[:num_prompts]

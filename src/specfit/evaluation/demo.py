@@ -11,17 +11,17 @@ speed.
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 
-import torch
-
-from . import comparison
-from .harness import link_seconds, load_instances
+from .. import cli_checks
 from .verdict import verdict
 
 METHODS = ("ar", "eagle3", "specfit")
-WORKLOADS = {"gsm8k": "GSM8K", "cnn": "CNN/DailyMail"}
+YOURS = "yours"  # the workload of --prompt TEXT
+WORKLOADS = {"gsm8k": "GSM8K", "cnn": "CNN/DailyMail", YOURS: "your prompts"}
+LABELS = {"ar": "AR", "eagle3": "EAGLE-3", "specfit": "SpecFit"}
 
 # used only when neither the local data folder nor the hub can provide GSM8K / CNN prompts (as many as --num-prompts
 # asks by default, so the verdict's spread comes from the same number of prompts either way)
@@ -60,31 +60,32 @@ def add_arguments(p) -> None:
     p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
 
 
-def check_arguments(args, num_experts: int) -> None:
-    """Every option, before anything loads: a refusal names the value and the valid range."""
-    import math
-
+def check_arguments(args) -> None:
+    """Every option, before anything loads (no torch imported): a refusal names the value and the valid range."""
+    num_experts = cli_checks.experts_per_layer(_config())
     if not 1 <= args.slots <= num_experts:
         raise ValueError(f"--slots must be in 1..{num_experts} (the embedded model's experts per layer), got "
                          f"{args.slots}")
-    for name in ("num_prompts", "max_new_tokens", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.link_ms is not None and not (math.isfinite(args.link_ms) and args.link_ms >= 0):
-        raise ValueError(f"--link-ms must be a finite number of milliseconds >= 0 (0: a free link), got {args.link_ms}")
+    cli_checks.at_least(args, 1, "num_prompts", "max_new_tokens", "threads")
+    cli_checks.milliseconds(args, "link_ms")
     if args.prompt is not None and not all(text.strip() for text in args.prompt):
         raise ValueError("--prompt needs a non-empty TEXT")
+
+
+def _config() -> dict:
+    from ..embedded.paths import TARGET_DIR
+
+    return json.loads((TARGET_DIR / "config.json").read_text())
 
 
 def workload_prompts(args) -> tuple[dict[str, list[str]], str | None]:
     """The prompts of each workload, and the one note to print when the data could not be read (None if it was)."""
     from . import datasets
-    from .. import embedded
 
     if args.prompt is not None:
-        return {"your prompt": list(args.prompt)}, None
+        return {YOURS: list(args.prompt)}, None
     out, missing = {}, None
-    for workload in WORKLOADS:
+    for workload in ("gsm8k", "cnn"):
         try:
             out[workload] = datasets.prompts(workload, args.num_prompts, max_chars=1200)
         except datasets.DataUnavailable:
@@ -98,48 +99,62 @@ def workload_prompts(args) -> tuple[dict[str, list[str]], str | None]:
 
 
 def main(args) -> int:
-    from transformers import AutoConfig
+    import torch
 
     from .. import embedded
+    from . import comparison
+    from .harness import link_seconds, load_instances
 
     started = time.time()
-    config = AutoConfig.from_pretrained(embedded.TARGET_DIR)
-    check_arguments(args, config.num_experts)
+    config = _config()
+    experts = cli_checks.experts_per_layer(config)
     texts, missing = workload_prompts(args)
     torch.set_num_threads(args.threads)  # this command owns its process: the count that suits the model (--threads)
+    if args.link_ms is None:
+        print("measuring one token's compute on this machine for the default emulated link ...", flush=True)
     link, how = link_seconds(args.link_ms)
     args.link_ms = embedded.link_seconds_per_expert(link) * 1e3  # per bf16 expert (the default link is per byte)
-    print(f"SpecFit demo: the embedded Qwen3-MoE ({config.num_experts} experts, top-{config.num_experts_per_tok}, "
-          f"{config.num_hidden_layers} layers) with its EAGLE-3 drafter, experts in host memory, {args.slots} slots "
-          f"per layer, CPU with an emulated host link of {args.link_ms:.3f} ms per expert copy ({how}; emulated: not "
-          f"GPU speed), {args.threads} CPU thread{'s' if args.threads != 1 else ''} (--threads).")
+    print(f"SpecFit demo: the embedded Qwen3-MoE{' (FP8 variant)' if args.fp8 else ''} ({experts} "
+          f"experts, top-{config['num_experts_per_tok']}, {config['num_hidden_layers']} layers) with its EAGLE-3 "
+          f"drafter, experts in host memory, {args.slots} slots per layer, CPU with an emulated host link of "
+          f"{args.link_ms:.3f} ms per expert copy ({how}; emulated: not GPU speed), {args.threads} CPU "
+          f"thread{'s' if args.threads != 1 else ''} (--threads).")
     print("The embedded model is a small model trained by this project only to show the method: its text is not "
           "meant to be good. What matters is that all three methods write the same tokens, and how fast.")
     print(f"Where SpecFit pays: when expert copies are dear - few slots per layer (here {args.slots} of "
-          f"{config.num_experts}) and a slow host link (here {args.link_ms:.3f} ms per copy) - it verifies only the "
-          f"draft nodes worth their experts' copies, so it copies fewer experts per token than EAGLE-3; with every "
-          f"expert resident or a free link it has nothing to save.\n")
+          f"{experts}) and a slow host link (here {args.link_ms:.3f} ms per copy) - it verifies only "
+          f"the draft nodes worth their experts' copies, so it copies fewer experts per token than EAGLE-3; with "
+          f"every expert resident or a free link it has nothing to save.\n")
     if missing:
         print(missing + "\n")
+    total = sum(len(prompts) for prompts in texts.values())
+    print(f"Decoding {total} prompt{'s' if total != 1 else ''} x {len(METHODS)} methods, {args.max_new_tokens} new "
+          f"tokens each, the methods taking turns prompt by prompt (a line per prompt below; on a busy CPU a prompt "
+          f"can take a minute).", flush=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        print(f"loading the embedded model once per method ({', '.join(LABELS[m] for m in METHODS)}) ...", flush=True)
         instances, tokenizer = load_instances(list(METHODS), args.slots, link, fp8=args.fp8)
         tables, verdicts = [], []
         for workload, prompts in texts.items():
+            name = WORKLOADS[workload]
             per_prompt = {m: [] for m in METHODS}
 
             def on_prompt(i):  # each method has its own model: its last call is this prompt's
                 for m in METHODS:
                     per_prompt[m].append(instances[m].specfit.stats.last_generate.end_to_end_tokens_per_second)
+                print(f"  [{name}] prompt {i + 1} of {len(prompts)}: "
+                      + ", ".join(f"{LABELS[m]} {per_prompt[m][-1]:.1f}" for m in METHODS)
+                      + f" tok/s ({time.time() - started:.0f} s so far)", flush=True)
 
+            print(f"[{name}] warming up each method on its first prompt (untimed) ...", flush=True)
             result = comparison.run(instances, tokenizer, prompts, METHODS, max_new_tokens=args.max_new_tokens,
                                     on_prompt=on_prompt)
             text, out = prompts[0], result.outputs["ar"][0]
-            print(f"--- {workload} prompt 1 of {len(prompts)} ---\n{_clip(text)}\n--- generated (identical for AR, "
+            print(f"\n--- {name}: prompt 1 of {len(prompts)} ---\n{_clip(text)}\n--- generated (identical for AR, "
                   f"EAGLE-3 and SpecFit) ---\n{tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
-            name = WORKLOADS.get(workload, workload)
             verdicts.append(f"  {name}: {verdict(per_prompt)}")
-            tables.append(result.format(f"[{workload}] {args.slots} slots of {config.num_experts}, CPU, emulated "
+            tables.append(result.format(f"[{name}] {args.slots} slots of {experts}, CPU, emulated "
                                         f"host link (not GPU speed), {len(prompts)} prompt"
                                         f"{'s' if len(prompts) != 1 else ''}"))
     for table in tables:
@@ -147,15 +162,19 @@ def main(args) -> int:
     print("\n".join(comparison.LEGEND))
     print("AR: plain generate(); EAGLE-3: its tree, 7 nodes verified; SpecFit: the subtree that maximises predicted "
           "tokens per second (default routes: the trained route predictor)\n")
-    for warning in caught:
-        if "profile" in str(warning.message):
-            print(f"note: {warning.message}")
+    for message in notes(caught):
+        print(f"note: {message}")
     print("Verdict of this run (whole-call tok/s; spread: the standard deviation over prompts of SpecFit's per-prompt "
           "ratio to that method, so a gain inside it is not a clear difference):")
     print("\n".join(verdicts))
     print(f"({time.time() - started:.0f} s in all. Your own prompt: specfit demo --prompt TEXT; in Python: "
           f"specfit.compare(model, tokenizer, prompts) on your own model; `specfit bench` runs the full table.)")
     return 0
+
+
+def notes(caught) -> list[str]:
+    """The cost-profile warnings among ``caught`` (every method model's, every call's), each once, in order."""
+    return list(dict.fromkeys(str(w.message) for w in caught if "profile" in str(w.message)))
 
 
 def _clip(text: str, n: int = 300) -> str:

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..stats.counters import Counters
-from . import oracle  # noqa: F401  registers the "acceptance-oracle" assistant, a method below
+
+if TYPE_CHECKING:  # annotations only: the module is imported to parse the commands' options, without torch
+    import torch
+
+ORACLE = "acceptance-oracle"  # the assistant evaluation/oracle.py registers (imported where methods run: it needs torch)
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ METHODS = {
     # transformers' own prompt-lookup decoding on the same offloaded model: what a user tries first, no drafter
     "prompt-lookup": Method("Prompt lookup (10)", None, generate=(("prompt_lookup_num_tokens", 10),)),
     # the limit of any subtree rule: verifies the path the target accepts, found by a look-ahead (evaluation/oracle)
-    "acceptance-oracle": Method("Acceptance oracle*", "acceptance-oracle"),
+    ORACLE: Method("Acceptance oracle*", ORACLE),
 }
 PAPER_METHODS = ("ar", "eagle3-vanilla", "eagle3", "specfit")
 LABELS = {name: m.label for name, m in METHODS.items()}
@@ -157,6 +160,10 @@ def interleave(models: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int
     start left out of the figures (unless there are no more). ``warmup_tokens``: first one untimed call per method
     on prompt 0 with that many tokens (one-time costs stay out of the figures). ``check_lossless``: every method must
     produce the first method's tokens (greedy decoding)."""
+    import torch
+
+    from . import oracle  # noqa: F401  registers the "acceptance-oracle" assistant, a method above
+
     assistants = assistants if assistants is not None else {m: ASSISTANT[m] for m in models}
     own = {m: GENERATE.get(m, {}) if isinstance(m, str) else {} for m in models}  # a method's own keywords
     generate_kwargs.setdefault("do_sample", False)
@@ -204,6 +211,7 @@ def side_by_side(instances: dict, prompt_ids: list[torch.Tensor], max_new_tokens
 
 def token_compute_seconds(model, ids: torch.Tensor, repeats: int = 20) -> float:
     """Median time of one decode forward with every expert resident and no link (the compute of one token)."""
+    import torch
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)

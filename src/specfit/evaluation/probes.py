@@ -32,17 +32,16 @@ installing, describing and plotting a profile) is ``specfit.evaluation.calibrate
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 import warnings
-from importlib.resources import files
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from ..calibration import LEAST, PROBES
 from ..decoding.assistants import Eagle3Generator
 from ..drafting.tree import DraftTree
 from ..offload.link import EmulatedLink
@@ -52,7 +51,6 @@ from ..selection.profiles import device_name, link_seconds, model_id, model_key
 from ..selection.route_sources import ROUTE_SOURCES, choose_route_source, oracle_routes
 from ..selection.selector import select_subtree
 
-PROBES = json.loads(files("specfit.calibration").joinpath("probes.json").read_text())
 # The statistic kept per configuration: its fastest repeat. Interference from other work only ever adds time (a
 # descheduled thread, evicted caches), so the noise is one-sided; measured on a shared 2-core machine (embedded model,
 # 12 slots, 0.28 ms link, 240 configurations x 5 repeats), a repeat took a median 1.17x and at the 90th percentile
@@ -225,13 +223,19 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
     ``probe_links(model)``); fit, assess and return them.
 
     ``progress``, if given, is called as ``progress(done, total)`` in generate() calls."""
-    for name, value, low in (("probes", probes, 10), ("repeats", repeats, 1), ("candidates", candidates, 1),
-                             ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    for name, value, low in (("probes", probes, 10), ("repeats", repeats, LEAST["repeats"]),
+                             ("bootstrap", bootstrap, LEAST["bootstrap"]), ("candidates", candidates, 1),
+                             ("warmup", warmup, 0), ("max_new_tokens", max_new_tokens, warmup + 1), ("folds", folds, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:  # before the minutes of probing
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     runtime = model.specfit
     max_nodes = runtime.options.max_nodes
     links = probe_links(model) if links is None else list(links)
+    need, most = least_records(max_nodes, folds), probes * len(links) * repeats  # most: every repeat fitted alone
+    if most < need:  # the cross-validation would refuse them after the minutes of probing, whatever the replays do
+        raise ValueError(f"probes must be >= {-(-need // (len(links) * repeats))} here: {probes} x {repeats} "
+                         f"repeats on {len(links)} link(s) give at most {most} records, and a {folds}-fold "
+                         f"cross-validation of a fit with up to {max_nodes + 1} intercepts needs {need}")
     rng = random.Random(seed)
     sizes = schedule(rng, max_nodes)
     report = progress or (lambda done, total: None)
@@ -252,8 +256,9 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
             if configs >= probes:
                 break
         if configs == before:
-            raise RuntimeError("calibration produced no probes: every prompt ended within the warm-up cycles; use "
-                               "longer generations (--max-new-tokens) or other prompts")
+            raise RuntimeError(f"calibration produced no probes: every prompt ended within the {warmup} warm-up "
+                               f"cycles (an eos, or max_new_tokens={max_new_tokens}); use longer generations "
+                               f"(max_new_tokens; the command's --max-new-tokens) or other prompts")
 
     # (plan, cycle, link) -> [(CycleRecord, level seconds, diverged)] per round
     timed: dict[tuple[int, int, int], list] = {}
@@ -336,6 +341,15 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
     cost = CostModel.fit(records, max_nodes=max_nodes, draft_level_seconds=levels, kind="cache-aware",
                          quality=quality, **meta)
     return Calibration(cost.priced(copy_time[-1]), records, heldout)
+
+
+def least_records(max_nodes: int, folds: int) -> int:
+    """The fewest records whose every cross-validation fit (all but one fold) has the ``max_nodes + 3`` a fit with
+    every node count observed needs (``cost_fit.fit_coefficients``: one record more than its coefficients)."""
+    n = max_nodes + 3
+    while n - -(-n // folds) < max_nodes + 3:
+        n += 1
+    return n
 
 
 def _link_seconds(runtime, link) -> float:

@@ -27,9 +27,18 @@ def verdict(per_prompt: dict[str, list[float]], ours: str = "specfit") -> str:
     mine, theirs = per_prompt[ours], others[best]
     gain = statistics.fmean(mine) / statistics.fmean(theirs) - 1
     n = len(mine)
-    head = f"{LABELS.get(ours, ours)} {gain * 100:+.0f}% over {LABELS.get(best, best)}"
+    head = f"{LABELS.get(ours, ours)} {percent(gain)} over {LABELS.get(best, best)}"
     if n == 1:
         return f"{head} (1 prompt: no spread to judge it by; use more prompts)"
     spread = statistics.stdev(a / b for a, b in zip(mine, theirs))
     tail = ": within the spread, not a clear difference" if abs(gain) <= spread else ""
     return f"{head} (spread +-{spread * 100:.0f}%, {n} prompts){tail}"
+
+
+def percent(gain: float) -> str:
+    """A signed whole percentage, with no "-0%" for a loss that rounds to nothing.
+
+    >>> percent(0.152), percent(-0.004), percent(-0.06)
+    ('+15%', '+0%', '-6%')
+    """
+    return f"{round(gain * 100):+d}%"

@@ -62,14 +62,20 @@ def refusal(runtime, before: torch.Tensor, after: torch.Tensor) -> str:
     why = (f"{' and '.join(change).capitalize()} is refused on a SpecFit-enabled model: its routed experts live in "
            f"SpecFit's host store ({runtime.store.dtype}) with device slots on {runtime.device}, which moving the "
            f"model's parameters does not reach, so every later generate() would fail.")
-    if runtime._restore is not None and runtime._restore.get("param_dtype") is None:  # made by from_pretrained
+    loaded_by = getattr(runtime, "load_call", None)  # the call that loaded it, with {dtype}: embedded.load's
+    if loaded_by is not None and after.device == before.device:
+        return (f"{why} Load it again in the dtype you want with the call that loaded it (it keeps the drafter and "
+                f"the link): {loaded_by.replace('{dtype}', f'dtype={after.dtype}')} (with your other options)")
+    made = runtime._restore is not None and runtime._restore.get("param_dtype") is None  # by from_pretrained
+    if made and loaded_by is None:
         return (f"{why} Load it again in the dtype and on the device you want: specfit.from_pretrained(path_or_id, "
                 f"cache_slots={config.cache_slots}, {', '.join(target)}) (with your other options)")
     link = config.link
     simple = link is not None and link == type(link)(seconds_per_expert=link.seconds_per_expert)
     link = "" if link is None else f", link={link.seconds_per_expert!r}" if simple else f", link=specfit.{link!r}"
     mode = "" if config.cache_mode == "cached" else f", cache_mode={config.cache_mode!r}"
-    drafter = ", drafter=..." if runtime.drafter is not None else ""
+    source = getattr(runtime.drafter, "name_or_path", None)  # a drafter loaded from a folder or hub id
+    drafter = "" if runtime.drafter is None else f", drafter={source!r}" if source else ", drafter=..."
     move = ", ".join(t.split("=", 1)[1] for t in target)
     return (f"{why} Disable SpecFit, move the model, enable it again: specfit.disable(model); model.to({move}); "
             f"specfit.enable(model, cache_slots={config.cache_slots}{mode}{link}{drafter}) (with your other options)")

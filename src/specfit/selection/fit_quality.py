@@ -31,8 +31,12 @@ from .cost_fit import as_rows, fit_coefficients
 from .cost_model import CostModel
 
 GATE = {"min_heldout_r2": 0.5, "max_beta_halfwidth": 0.25, "max_choice_loss": 0.01}
+# what to do about a poor fit, in the words of where calibration was called: the command's flags, or the keyword
+# arguments of specfit.calibrate(model, prompts, ...)
 REMEDY = ("take more probes (--probes, --repeats), keep one CPU thread (--threads 1, the default on a CPU), and "
           "calibrate on a quiet machine (no other jobs running)")
+REMEDY_PYTHON = ("take more probes (probes=, repeats=), keep one CPU thread (torch.set_num_threads(1) before the "
+                 "call), and calibrate on a quiet machine (no other jobs running)")
 CHOICE_FITS = 100  # bootstrap fits the choice-stability check runs the selector with (each costs one call per pool)
 
 

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["FORMAT", "VERSION", "VERDICTS", "RESERVED", "ProfileError", "read_profile", "check_meta", "cache_root",
+__all__ = ["FORMAT", "TOKENIZER_FILES", "VERSION", "VERDICTS", "RESERVED", "ProfileError", "read_profile", "check_meta", "cache_root",
            "profile_dir", "profile_path", "field_number", "first_non_finite"]
 
 FORMAT = "specfit-cost-model"
+# files that make a checkpoint folder carry its tokenizer: calibration decodes text prompts only with one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # 3: a coefficient per expert computed (beta) and per expert copied (copy_overhead + link_share x the link's time),
 #    one profile per machine and model; 2: monotone intercepts, per-level drafting, a recorded fit quality, demand
 #    only (one profile per slot count and link); versions 1 and 2 still load, as demand-only models

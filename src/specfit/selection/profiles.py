@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from .cost_model import CostModel
-from .profile_files import FORMAT, ProfileError, profile_path
-from .fit_quality import REMEDY
+from .profile_files import FORMAT, TOKENIZER_FILES, ProfileError, profile_path
+from .fit_quality import REMEDY, REMEDY_PYTHON
 
 
 def device_name(runtime) -> str:
@@ -85,18 +85,35 @@ def link_seconds(runtime) -> float:
     return 0.0
 
 
+PYTHON_CALL = "`specfit.calibrate(model, prompts)`"
+
+
 def calibrate_command(model) -> str:
     """The call that fits this machine's profile for ``model``, as it works for it: what the code that loaded it
-    recorded (``model.specfit.calibrate_command``: the embedded model's ``specfit calibrate``), else the command line
-    for a checkpoint folder or hub id, else the Python call for a model built in code."""
-    hint = getattr(model.specfit, "calibrate_command", None)
+    recorded (``model.specfit.calibrate_command``: ``specfit.embedded.load``'s, with its ``--fp8`` and ``--dtype``),
+    else the command line for a checkpoint folder or hub id (with the drafter's folder, the dtype the profile is
+    filed under, and ``--device cpu`` where CUDA would be the default), else the Python call for a model built in
+    code."""
+    runtime = model.specfit
+    hint = getattr(runtime, "calibrate_command", None)
     if hint:
         return f"`{hint}`"
     source = str(getattr(model.config, "_name_or_path", "") or "")
     if source and (Path(source).is_dir() or ("/" in source and not Path(source).is_absolute())):
-        return f"`specfit calibrate --model {source}`"
-    return "`specfit.calibrate(model, prompts)` (Python: this model was built in code, so the command line cannot " \
-           "load it)"
+        from ..seam import layers as hf_layers
+
+        drafter = getattr(runtime.drafter, "name_or_path", None)
+        dtype = str(hf_layers.compute_dtype(model)).replace("torch.", "")
+        cpu = runtime.device.type == "cpu" and torch.cuda.is_available()
+        untokenized = Path(source).is_dir() and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES)
+        return (f"`specfit calibrate --model {source}{f' --drafter {drafter}' if drafter else ''} --dtype {dtype}"
+                f"{' --device cpu' if cpu else ''}{' --prompts random' if untokenized else ''}`")
+    return f"{PYTHON_CALL} (Python: this model was built in code, so the command line cannot load it)"
+
+
+def remedy(model) -> str:
+    """What to do about a poor fit, in the words of the call ``calibrate_command`` names: flags or keywords."""
+    return REMEDY_PYTHON if calibrate_command(model).startswith(PYTHON_CALL) else REMEDY
 
 
 def resolve_cost_model(model) -> CostModel:
@@ -236,7 +253,7 @@ def warn_if_unreliable(cost: CostModel, where: str, model=None) -> None:
     command = calibrate_command(model) if model is not None else "`specfit calibrate`"
     if quality.get("verdict") == "poor":
         text = (f"the cost profile {where} failed calibration's quality gate ({reasons}), so SpecFit may verify "
-                f"poor subtrees. Recalibrate with {command}: {REMEDY}.")
+                f"poor subtrees. Recalibrate with {command}: {remedy(model) if model is not None else REMEDY}.")
     else:
         text = (f"the cost profile {where} was never checked for fit quality ({reasons}). Recalibrate with "
                 f"{command} to fit and check it.")

@@ -22,14 +22,9 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
-
 import specfit
-from ..drafting.drafter import Eagle3Config, Eagle3Drafter
-from .drafter_loop import DrafterTrainConfig, split, train
-from .drafter_report import fit_acceptance, measure, model_card
-from .responses import ResponseConfig, build_prompts, generate_responses
-from .ttt import draft_vocab_from_counts
+from .. import cli_checks
+from .configs import DrafterTrainConfig, ResponseConfig
 
 EMBEDDED = Path(specfit.__file__).parent / "embedded"
 
@@ -37,19 +32,26 @@ EMBEDDED = Path(specfit.__file__).parent / "embedded"
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """Low / mid / high outputs-of-layer ids, as EAGLE-3 picks them: (1, N//2-1, N-4), e.g. (1, 23, 44) for a
     48-layer target; where that repeats a layer (fewer than 8 layers: (1, 2, 2) for 6) the spread (1, N//2, N-1)."""
+    from ..drafting.drafter import Eagle3Config
+
     eagle = Eagle3Config.default_aux_layer_ids(num_layers)
     if len(set(eagle)) == 3 and min(eagle) >= 0:
         return eagle
     return (min(1, num_layers - 1), num_layers // 2, num_layers - 1)
 
 
-def make_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, intermediate_size: int = 512,
+def make_drafter(target, d2t, t2d, intermediate_size: int = 512,
                  aux_layer_ids: tuple[int, int, int] | None = None, init_head: bool = True, seed: int = 0):
     """A one-layer drafter shaped like the target's layers, with the given draft vocabulary.
 
     ``init_head`` starts ``lm_head`` from the target's output rows of the draft vocabulary and ``norm`` from its final
-    norm: the drafter then begins by reading its state the way the target reads its own.
+    norm: the drafter then begins by reading its state the way the target reads its own. ``d2t``, ``t2d``: the
+    vocabulary maps (tensors, ``ttt.draft_vocab_from_counts``).
     """
+    import torch
+
+    from ..drafting.drafter import Eagle3Config, Eagle3Drafter
+
     c = target.config
     config = Eagle3Config.from_target(c, draft_vocab_size=len(d2t), intermediate_size=intermediate_size)
     config = replace(config, aux_layer_ids=aux_layer_ids or default_aux_layers(c.num_hidden_layers))  # sorts them
@@ -69,8 +71,33 @@ def make_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, intermediate_size
 # --------------------------------------------------------------------------------------------- CLI
 
 
+def check_arguments(args) -> None:
+    """Every option, before anything heavy is imported: the target folder, the counts, the rates."""
+    config = cli_checks.folder(args.target, "--target", must_hold="config.json") / "config.json"
+    vocab = json.loads(config.read_text()).get("vocab_size")
+    cli_checks.at_least(args, 1, "steps", "num_prompts", "max_new_tokens", "draft_vocab", "ttt_steps",
+                        "intermediate_size", "batch_size", "eval_every", "ckpt_every", "eval_new_tokens",
+                        "acceptance_prompts", "threads")
+    cli_checks.at_least(args, 0, "warmup", "stop_at", "eval_gsm8k", "eval_cnn")
+    if isinstance(vocab, int) and args.draft_vocab > vocab:
+        raise ValueError(f"--draft-vocab must be <= the target's vocabulary ({vocab} in {config}), got "
+                         f"{args.draft_vocab}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr is a learning rate, > 0, got {args.lr}")
+    if args.data_dir:
+        cli_checks.folder(args.data_dir, "--data-dir")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r} is a file; it names the folder for the drafter")
+
+
 def main(args) -> int:
+    import torch
+
     from . import default_work_dir
+    from .drafter_loop import split, train
+    from .drafter_report import fit_acceptance, measure, model_card
+    from .responses import build_prompts, generate_responses
+    from .ttt import draft_vocab_from_counts
 
     if args.data_dir:
         os.environ["SPECFIT_DATA_DIR"] = str(Path(args.data_dir).resolve())

@@ -8,35 +8,19 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import load_checkpoint
+from .configs import DrafterTrainConfig
 from .responses import Responses
 from .target_loop import lr_at
 from .ttt import ttt_loss
 
 CHECKPOINT = "checkpoint.pt"
-
-
-@dataclass(frozen=True)
-class DrafterTrainConfig:
-    steps: int = 1000            # optimizer steps; the schedule is defined over these, not over wall time
-    batch_size: int = 8          # sequences per step (right-padded)
-    lr: float = 2e-3             # peak learning rate
-    min_lr_ratio: float = 0.05   # cosine floor, as a fraction of lr
-    warmup_steps: int = 50
-    betas: tuple = (0.9, 0.95)
-    weight_decay: float = 0.0    # as the EAGLE reference
-    grad_clip: float = 0.5       # SpecForge's max_grad_norm
-    ttt_steps: int = 5           # TTT unroll depth: SpecFit's tree depth (EAGLE uses 7)
-    decay: float = 0.8           # weight of TTT step j is decay**j
-    eval_every: int = 200        # steps between held-out evaluations
-    ckpt_every: int = 100        # steps between checkpoints
-    seed: int = 0
 
 
 class TargetTap:

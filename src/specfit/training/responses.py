@@ -16,29 +16,17 @@ import hashlib
 import json
 import os
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from ..evaluation.datasets import CNN_PROMPT, GSM8K_PROMPT, gsm8k, openstax
+from .configs import ResponseConfig
 from .tokenizer import EOS_ID, encode_batch
 
 KINDS = ("gsm8k", "prose", "summary")
 CACHE_NAME = "responses.pt"
-
-
-@dataclass(frozen=True)
-class ResponseConfig:
-    num_prompts: int = 3200
-    shares: dict = field(default_factory=lambda: {"gsm8k": 0.6, "prose": 0.25, "summary": 0.15})
-    max_new_tokens: int = 128
-    batch_size: int = 32          # prompts per generate() call
-    sample_share: float = 0.5     # fraction of batches sampled (the rest greedy, as the benchmarks decode)
-    temperature: float = 0.8
-    prose_chars: tuple = (200, 1000)  # length range of a prose prompt, cut at a word boundary
-    article_chars: tuple = (600, 1500)  # summary prompts: the passage cut in this range (the CNN prompts: 1500)
-    seed: int = 0
 
 
 # --------------------------------------------------------------------------------------------- prompts

@@ -19,13 +19,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from . import corpus
-from .target_loop import TrainConfig, total_steps, train
-from .target_report import measure, model_card, save_final
-from .tokenizer import EOS_ID, load_tokenizer, train_tokenizer
+from .. import cli_checks
+from .configs import TrainConfig
+from .tokenizer import EOS_ID
 
 # Model presets. "embedded" is the shipped model: Qwen3-30B-A3B's depth (48 MoE layers) and expert fraction
 # (top-4 of 64 = 1/16), as wide as lets target, drafter and route predictor ship in 30 MB (13.3 M params, bf16).
@@ -63,6 +59,11 @@ def prepare_data(work: Path, vocab_size: int, seed: int, reuse: bool) -> tuple:
 
     Returns (tokenizer, streams ``{"train"|"val": {source: int16 array}}``, corpus info dict).
     """
+    import numpy as np
+
+    from . import corpus
+    from .tokenizer import load_tokenizer, train_tokenizer
+
     tok_dir, npz, info_path = work / "tokenizer", work / "streams.npz", work / "corpus.json"
     if reuse and tok_dir.is_dir() and npz.is_file() and info_path.is_file():
         arrays = np.load(npz)
@@ -85,8 +86,27 @@ def prepare_data(work: Path, vocab_size: int, seed: int, reuse: bool) -> tuple:
 # --------------------------------------------------------------------------------------------- CLI
 
 
+def check_arguments(args) -> None:
+    """Every option, before anything heavy is imported."""
+    cli_checks.at_least(args, 1, "steps", "batch_size", "seq_len", "eval_every", "ckpt_every", "final_eval_windows",
+                        "stats_windows", "threads")
+    cli_checks.at_least(args, 0, "warmup", "continue_steps", "stop_at")
+    for name in ("lr", "continue_lr"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"{cli_checks.flag(name)} is a learning rate, > 0, got {getattr(args, name)}")
+    cli_checks.fraction(args, "continue_gsm8k_share")
+    if args.data_dir:
+        cli_checks.folder(args.data_dir, "--data-dir")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r} is a file; it names the folder for the final model")
+
+
 def main(args) -> int:
+    import torch
+
     from . import default_work_dir
+    from .target_loop import total_steps, train
+    from .target_report import measure, model_card, save_final
 
     if args.data_dir:
         os.environ["SPECFIT_DATA_DIR"] = str(Path(args.data_dir).resolve())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -17,31 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from . import corpus, load_checkpoint
+from .configs import TrainConfig
 
 CHECKPOINT = "checkpoint.pt"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 1400            # optimizer steps; the schedule is defined over these, not over wall time
-    batch_size: int = 8          # windows per step
-    seq_len: int = 512           # CNN prompts reach ~450 tokens at inference: train on positions that far
-    lr: float = 3e-3             # peak learning rate
-    min_lr_ratio: float = 0.1    # cosine floor, as a fraction of lr
-    warmup_steps: int = 100
-    betas: tuple = (0.9, 0.95)
-    weight_decay: float = 0.1    # not on norms, router or embeddings
-    grad_clip: float = 1.0
-    # a second phase after `steps` (0: none): a warm restart to `continue_lr`, then cosine to min_lr_ratio * lr
-    # over `continue_steps`, with windows drawn from GSM8K with probability `continue_gsm8k_share`. A run stopped
-    # after phase 1 can be continued with these set (--resume): phase 1 is the same either way
-    continue_steps: int = 0
-    continue_lr: float = 1.5e-3
-    continue_gsm8k_share: float = 0.5
-    eval_every: int = 200        # steps between validation passes
-    eval_windows: int = 16       # windows per source in a periodic validation pass
-    ckpt_every: int = 200        # steps between checkpoints
-    seed: int = 0
 
 
 CONTINUATION = {"continue_steps": 0, "continue_lr": 1.5e-3, "continue_gsm8k_share": 0.5}

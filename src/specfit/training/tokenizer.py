@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ..evaluation.datasets import EOS_TEXT
+
+if TYPE_CHECKING:  # annotations only: train-target's options import this module, without transformers
+    from transformers import PreTrainedTokenizerFast
 
 EOS_ID = 0
 VOCAB_SIZE = 4096
@@ -48,6 +51,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = VOCAB_SIZE, min_freq
 
 def wrap(tok: Tokenizer, model_max_length: int = 1024) -> PreTrainedTokenizerFast:
     """Wrap a raw ``tokenizers.Tokenizer`` as a transformers tokenizer with the special-token roles set."""
+    from transformers import PreTrainedTokenizerFast  # here, not at the top: the commands' options import this module
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=EOS_TEXT,
@@ -60,6 +65,8 @@ def wrap(tok: Tokenizer, model_max_length: int = 1024) -> PreTrainedTokenizerFas
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """Load a tokenizer saved by ``save_pretrained`` (offline)."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 
