@@ -117,18 +117,21 @@ def run(tests: Path, junit: Path, extra: list[str], slots: int | None, log: Path
 
 
 def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
-    """test name -> (outcome, first line of the reason) from pytest's junit XML."""
+    """test name -> (outcome, reason) from pytest's junit XML: the reason's first line, and the ``(reason: ...)``
+    torch.compile gives for a function it may not trace."""
     result = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
-        name = case.get("name")
         outcome, reason = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
-                reason = (child.get("message") or child.text or "").strip().splitlines()[0][:300] \
-                    if (child.get("message") or child.text) else ""
+                text = (child.get("message") or child.text or "").strip()
+                reason = text.splitlines()[0][:300] if text else ""
+                given = text.find("(reason: ")
+                if given >= 0:
+                    reason += " " + text[given:].splitlines()[0]
                 break
-        result[name] = (outcome, reason)
+        result[case.get("name")] = (outcome, reason)
     return result
 
 
