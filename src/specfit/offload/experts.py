@@ -299,11 +299,22 @@ COMPILE_REASON = ("SpecFit plans each MoE layer's expert copies on the host from
                   "or call specfit.disable(model) first")
 
 
-@torch.compiler.disable(reason=COMPILE_REASON)
 def specfit_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """Registered in transformers' experts interface as ``"specfit"``; ``self`` is the experts module. Under
-    autograd (a forward whose output needs a gradient) the experts run as ``TrainableExperts``."""
+    autograd (a forward whose output needs a gradient) the experts run as ``TrainableExperts``; traced by
+    torch.compile, outside the graph (eager calls skip that wrapper: it costs microseconds per call)."""
+    if torch.compiler.is_compiling():
+        return _experts_outside_graph(self, hidden_states, top_k_index, top_k_weights)
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+@torch.compiler.disable(reason=COMPILE_REASON)
+def _experts_outside_graph(self, hidden_states, top_k_index, top_k_weights):
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     layer = getattr(self, ATTR, None)
     if layer is None:
         raise RuntimeError(
