@@ -3,9 +3,9 @@
 ``enable`` moves every routed expert into the host ``ExpertStore`` (releasing the model's own 3-D expert
 parameters: no second copy anywhere), gives each MoE layer a slot cache on the compute device, selects the
 ``"specfit"`` experts implementation (in a private copy of the model's config), hooks the forward for route recording
-and counters, and, for a model that can generate, mixes SpecFit's generation strategy into the model's class. While enabled, ``state_dict``/``save_pretrained``/``load_state_dict`` see
-the experts in the store (``offload/checkpoint.py``) and moves or casts of the model are refused at the call
-(``offload/moves.py``). ``disable`` undoes each step, so outputs are bit-identical to before.
+and counters, and, for a model that can generate, mixes SpecFit's generation strategy into the model's class. While
+enabled, ``state_dict``/``save_pretrained``/``load_state_dict`` see the experts in the store
+(``offload/checkpoint.py``) and moves or casts of the model are refused at the call (``offload/moves.py``). ``disable`` undoes each step, so outputs are bit-identical to before.
 """
 
 from __future__ import annotations
