@@ -53,13 +53,12 @@ def test_state_dict_equals_the_plain_models(family):
     assert len({state[k].untyped_storage().data_ptr() for k in expert}) == len(expert)
 
 
-def stream_experts(monkeypatch, layers: int = 2):
-    """Make save_pretrained stream the experts from the store in groups of ``layers`` layers (the path of models
-    whose experts are too large to copy at once)."""
-    model = tiny("qwen3_moe")
-    layer = model.model.layers[0].mlp.experts
+def stream_experts(monkeypatch, model, layers: int = 1):
+    """Make save_pretrained stream the enabled ``model``'s experts from the store in groups of ``layers`` layers
+    (the path of models whose experts are too large to copy at once)."""
+    store = model.specfit.store
     monkeypatch.setattr(checkpoint, "EXPERT_SHARD_BYTES",
-                        layers * sum(p.numel() * p.element_size() for p in layer.parameters()))
+                        layers * checkpoint.expert_copy_bytes(store) // len(store.arenas))
     streamed = []
     stream = checkpoint.checkpoints.save_pretrained_streaming
     monkeypatch.setattr(checkpoint.checkpoints, "save_pretrained_streaming",
@@ -75,7 +74,7 @@ def test_saved_checkpoint_equals_the_plain_one_and_reloads_in_plain_transformers
     plain.save_pretrained(tmp_path / "plain")
     model = specfit.enable(tiny(family), cache_slots=3)
     greedy(model)  # slots filled: what is saved is the store, not what happens to be on the device
-    streamed = stream_experts(monkeypatch)
+    streamed = stream_experts(monkeypatch, model)
     model.save_pretrained(tmp_path / "enabled", max_shard_size="20KB")  # several groups of layers
     assert streamed
     assert same(dict(sorted(files(tmp_path / "enabled").items())), dict(sorted(files(tmp_path / "plain").items())))
@@ -102,7 +101,7 @@ def test_streamed_index_total_size_counts_the_expert_shards(tmp_path, monkeypatc
     """The index's total_size is every tensor's bytes, the expert shards' included, as the plain model's index."""
     tiny("qwen3_moe").save_pretrained(tmp_path / "plain", max_shard_size="20KB")
     model = specfit.enable(tiny("qwen3_moe"), cache_slots=3)
-    streamed = stream_experts(monkeypatch)
+    streamed = stream_experts(monkeypatch, model)
     model.save_pretrained(tmp_path / "enabled", max_shard_size="20KB")
     assert streamed
     index = json.loads((tmp_path / "enabled" / "model.safetensors.index.json").read_text())
@@ -119,7 +118,7 @@ def test_saving_again_into_the_same_folder_replaces_the_checkpoint(tmp_path, mon
 
     model = specfit.enable(tiny("qwen3_moe"), cache_slots=3)
     with monkeypatch.context() as m:
-        stream_experts(m)
+        stream_experts(m, model)
         model.save_pretrained(tmp_path, max_shard_size="20KB")
     many = len(os.listdir(tmp_path))
     model.save_pretrained(tmp_path)  # one file, as the plain model saves it: none of the first save's may stay
