@@ -46,20 +46,37 @@ def test_state_dict_equals_the_plain_models(family):
     store = model.specfit.store
     expert = [k for k in state if ".experts." in k and k.endswith(("gate_up_proj", "down_proj"))]
     assert len(expert) == 2 * len(store.arenas)
-    # views of the host store, not copies: a 54 GiB model's state_dict() costs no memory
+    # each expert tensor is one of its own (a contiguous copy: the store keeps a layer's experts in one arena, whose
+    # views would share memory), so safetensors saves the state dict as it saves the plain model's
     ptrs = {a.untyped_storage().data_ptr() for a in store.arenas}
-    assert all(state[k].untyped_storage().data_ptr() in ptrs for k in expert)
+    assert all(state[k].is_contiguous() and state[k].untyped_storage().data_ptr() not in ptrs for k in expert)
+    assert len({state[k].untyped_storage().data_ptr() for k in expert}) == len(expert)
+
+
+def stream_experts(monkeypatch, model, layers: int = 1):
+    """Make save_pretrained stream the enabled ``model``'s experts from the store in groups of ``layers`` layers
+    (the path of models whose experts are too large to copy at once)."""
+    store = model.specfit.store
+    monkeypatch.setattr(checkpoint, "EXPERT_SHARD_BYTES",
+                        layers * checkpoint.expert_copy_bytes(store) // len(store.arenas))
+    streamed = []
+    stream = checkpoint.checkpoints.save_pretrained_streaming
+    monkeypatch.setattr(checkpoint.checkpoints, "save_pretrained_streaming",
+                        lambda *a, **k: streamed.append(stream(*a, **k)))
+    return streamed
 
 
 @pytest.mark.parametrize("family", SAVED)
-def test_saved_checkpoint_equals_the_plain_one_and_reloads_in_plain_transformers(family, tmp_path):
+def test_saved_checkpoint_equals_the_plain_one_and_reloads_in_plain_transformers(family, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     plain = tiny(family)
     plain.save_pretrained(tmp_path / "plain")
     model = specfit.enable(tiny(family), cache_slots=3)
     greedy(model)  # slots filled: what is saved is the store, not what happens to be on the device
+    streamed = stream_experts(monkeypatch, model)
     model.save_pretrained(tmp_path / "enabled", max_shard_size="20KB")  # several groups of layers
+    assert streamed
     assert same(dict(sorted(files(tmp_path / "enabled").items())), dict(sorted(files(tmp_path / "plain").items())))
     assert json.loads((tmp_path / "enabled" / "config.json").read_text()) == \
         json.loads((tmp_path / "plain" / "config.json").read_text())
@@ -68,16 +85,45 @@ def test_saved_checkpoint_equals_the_plain_one_and_reloads_in_plain_transformers
     assert torch.equal(greedy(reloaded), greedy(plain))
 
 
-def test_saving_again_into_the_same_folder_replaces_the_checkpoint(tmp_path):
+def test_a_small_model_saves_the_files_the_plain_model_saves(tmp_path):
+    """Experts that fit in one copy are saved in one pass, as transformers saves the plain model: one
+    model.safetensors (no index) for a small model, the plain model's shards under max_shard_size."""
+    for shard in ("50GB", "20KB"):
+        tiny("qwen3_moe").save_pretrained(tmp_path / f"plain-{shard}", max_shard_size=shard)
+        model = specfit.enable(tiny("qwen3_moe"), cache_slots=3)
+        model.save_pretrained(tmp_path / f"enabled-{shard}", max_shard_size=shard)
+        assert sorted(os.listdir(tmp_path / f"enabled-{shard}")) == sorted(os.listdir(tmp_path / f"plain-{shard}"))
+        assert same(files(tmp_path / f"enabled-{shard}"), files(tmp_path / f"plain-{shard}"))
+    assert "model.safetensors" in os.listdir(tmp_path / "enabled-50GB")
+
+
+def test_streamed_index_total_size_counts_the_expert_shards(tmp_path, monkeypatch):
+    """The index's total_size is every tensor's bytes, the expert shards' included, as the plain model's index."""
+    tiny("qwen3_moe").save_pretrained(tmp_path / "plain", max_shard_size="20KB")
+    model = specfit.enable(tiny("qwen3_moe"), cache_slots=3)
+    streamed = stream_experts(monkeypatch, model)
+    model.save_pretrained(tmp_path / "enabled", max_shard_size="20KB")
+    assert streamed
+    index = json.loads((tmp_path / "enabled" / "model.safetensors.index.json").read_text())
+    stored = sum(t.numel() * t.element_size() for t in files(tmp_path / "enabled").values())
+    experts = sum(t.numel() * t.element_size() for k, t in files(tmp_path / "enabled").items() if ".experts." in k)
+    assert experts > stored / 2
+    assert index["metadata"]["total_size"] == stored
+    plain = json.loads((tmp_path / "plain" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == plain["metadata"]["total_size"]
+
+
+def test_saving_again_into_the_same_folder_replaces_the_checkpoint(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     model = specfit.enable(tiny("qwen3_moe"), cache_slots=3)
-    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    with monkeypatch.context() as m:
+        stream_experts(m, model)
+        model.save_pretrained(tmp_path, max_shard_size="20KB")
     many = len(os.listdir(tmp_path))
-    model.save_pretrained(tmp_path)  # fewer, larger shards: none of the first save's may stay
+    model.save_pretrained(tmp_path)  # one file, as the plain model saves it: none of the first save's may stay
     assert len(os.listdir(tmp_path)) < many
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"].values()) == {n for n in os.listdir(tmp_path) if n.endswith(".safetensors")}
+    assert {n for n in os.listdir(tmp_path) if "safetensors" in n} == {"model.safetensors"}
     assert same(AutoModelForCausalLM.from_pretrained(tmp_path).state_dict(), tiny("qwen3_moe").state_dict())
 
 

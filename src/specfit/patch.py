@@ -2,16 +2,17 @@
 
 ``enable`` moves every routed expert into the host ``ExpertStore`` (releasing the model's own 3-D expert
 parameters: no second copy anywhere), gives each MoE layer a slot cache on the compute device, selects the
-``"specfit"`` experts implementation, hooks the forward for route recording and counters, and mixes SpecFit's
-generation strategy into the model's class. While enabled, ``state_dict``/``save_pretrained``/``load_state_dict`` see
-the experts in the store (``offload/checkpoint.py``) and moves or casts of the model are refused at the call
-(``offload/moves.py``). ``disable`` undoes each step, so outputs are bit-identical to before.
+``"specfit"`` experts implementation (in a private copy of the model's config), hooks the forward for route recording
+and counters, and, for a model that can generate, mixes SpecFit's generation strategy into the model's class. While
+enabled, ``state_dict``/``save_pretrained``/``load_state_dict`` see the experts in the store
+(``offload/checkpoint.py``) and moves or casts of the model are refused at the call (``offload/moves.py``). ``disable`` undoes each step, so outputs are bit-identical to before.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
 from .offload import checkpoint, moves
 from .offload.config import OffloadConfig
-from .offload.experts import ATTR, specfit_experts_forward
+from .offload.experts import ATTR, COMPILE_REASON, specfit_experts_forward
 from .offload.link import LinkConfig
 from .offload.loader import load_offloaded
 from .offload.runtime import SpecFitRuntime
@@ -82,14 +83,16 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
             hf_layers.release_expert_tensors(moe)  # released: the store holds the only copy
     elif store.layout != first.layout:
         raise ValueError(f"the store holds experts of layout {store.layout}, the model's are {first.layout}")
+    plans = hf_layers.hide_expert_plans(model)  # the parallel plans name only tensors the model holds
 
     runtime = SpecFitRuntime(store, config, device)
     for moe, layer_rt in zip(layers, runtime.layers):
         setattr(moe.experts, ATTR, layer_rt)
     previous_impl = hf_experts.experts_implementation(model)
+    saved_config = hf_experts.own_config(model)  # the caller's config object is never written to
     hf_experts.set_experts_implementation(model, hf_experts.EXPERTS_IMPL, specfit_experts_forward)
     hf_layers.route_blocks(layers, specfit_experts_forward)  # experts outside transformers' interface (Llama-4)
-    base = model.model
+    base = hf_layers.base_model(model)
     # "specfit" (a family whose experts SpecFit routes keeps its own)
     selected = hf_experts.experts_implementation(model)
 
@@ -103,9 +106,12 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     _serialize_forward(base, runtime, check_experts_implementation)  # one forward at a time, from any thread
     hooks = checkpoint.install(model, runtime)  # state_dict / save_pretrained / load_state_dict see the experts
     moves.install(model, runtime)  # .to(dtype) / .half() / .cuda() ... refused at the call
-    original_class = install_generation_strategy(model)
+    # a model that cannot generate (sequence or token classification, question answering, the bare decoder) keeps
+    # its class: only the offload applies to it
+    original_class = install_generation_strategy(model) if type(model).can_generate() else type(model)
     runtime._restore = dict(previous_impl=previous_impl, hooks=hooks, original_class=original_class,
-                            param_device=param_device, param_dtype=param_dtype, requires_grad=requires_grad)
+                            param_device=param_device, param_dtype=param_dtype, requires_grad=requires_grad,
+                            config=saved_config, plans=plans)
     model.specfit = runtime
     try:
         attach_decoding(model, drafter=drafter, **decoding)
@@ -133,9 +139,11 @@ def _disable(model: nn.Module, runtime) -> nn.Module:
         handle.remove()
     checkpoint.remove(model)
     moves.remove(model)
-    vars(model.model).pop("forward", None)  # the serialized forward: the class's own is back
+    vars(hf_layers.base_model(model)).pop("forward", None)  # the serialized forward: the class's own is back
     remove_generation_strategy(model, r["original_class"])
     hf_experts.set_experts_implementation(model, r["previous_impl"])
+    hf_experts.restore_config(model, r["config"])
+    hf_layers.restore_expert_plans(r["plans"])
     layers = hf_layers.moe_layers(model)
     hf_layers.unroute_blocks(layers)
     for i, moe in enumerate(layers):
@@ -155,13 +163,35 @@ def _serialize_forward(base: nn.Module, runtime, check) -> None:
     (torch runs ``always_call`` forward hooks only for ``Exception``)."""
     forward = base.forward
 
-    def serialized(*args, **kwargs):
+    @torch.compiler.disable(reason=COMPILE_REASON)  # bookkeeping on the host: torch.compile traces around it
+    def begin():
         check()
-        with runtime.serialized("a forward"):
+        scope = runtime.serialized("a forward")
+        scope.__enter__()
+        try:
             runtime.begin_forward()
+        except BaseException:
+            scope.__exit__(*sys.exc_info())
+            raise
+        return scope
+
+    @torch.compiler.disable(reason=COMPILE_REASON)
+    def end(scope, failed: bool) -> None:
+        try:
+            if not failed:
+                runtime.end_forward()
+        finally:
+            scope.__exit__(None, None, None)
+
+    def serialized(*args, **kwargs):
+        scope = begin()
+        try:
             out = forward(*args, **kwargs)
-            runtime.end_forward()
-            return out
+        except BaseException:
+            end(scope, True)
+            raise
+        end(scope, False)
+        return out
 
     base.forward = serialized
 
@@ -327,6 +357,10 @@ def set_drafter(model, drafter) -> None:
     wrote to the user cache for it, else the folder's own ``acceptance.json`` (``selection/acceptance_cache.py``);
     without either, or for a module, SpecFit starts from the default prior (``AcceptanceTables.default()``)."""
     runtime = model.specfit
+    if not type(model).can_generate():
+        raise ValueError(f"drafter=: {type(model).__name__} has no generate(), so there is nothing to draft for; "
+                         f"SpecFit's decoding runs on causal LMs such as Qwen3MoeForCausalLM. Enable this model "
+                         f"without drafter= (its experts are offloaded all the same)")
     kv_cache.check_layer_types(model)  # assistants need KV-attention layers: refuse hybrids before any work
     if runtime.aux_capture is not None:
         runtime.aux_capture.remove()

@@ -69,10 +69,13 @@ class SpecFitGenerationMixin:
             stats.scope = None
             raise
         if stats.scope is scope:  # _sample did not run: assisted decoding, prompt lookup, beam search, ...
-            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
             ids = named.get("inputs") if named.get("inputs") is not None else named.get("input_ids")
             prompt = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
-            scope.end(new_tokens=(sequences.shape[1] - prompt) * sequences.shape[0])
+            # a custom_generate may return anything (text, a dict, ...): then its new tokens are not known, and 0
+            # are counted
+            known = isinstance(sequences, torch.Tensor) and sequences.dim() == 2
+            scope.end(new_tokens=(sequences.shape[1] - prompt) * sequences.shape[0] if known else 0)
             stats.last_method = transformers_method(self, named)
         return out
 

@@ -1,15 +1,20 @@
 """The routed experts through transformers' own idioms while SpecFit holds them in its host store.
 
 ``state_dict()`` of an enabled model holds every expert under the plain model's keys, in its order, with its true
-values (views of the store: no copy); ``save_pretrained()`` writes the plain model's checkpoint, the experts read
-from the store one group of layers at a time (``seam.checkpoints.save_pretrained_streaming``); ``load_state_dict()``
-writes expert tensors through to the store (and empties the device slots that held the old values). ``remove`` undoes
-it.
+values, each a tensor of its own (contiguous copies read from the store, as ``safetensors.torch.save_file`` and
+transformers' tied-weight checks need: the store keeps a layer's experts in one arena, so views of it would share
+memory); ``num_parameters()`` counts them (as frozen weights: not with ``only_trainable=True``);
+``save_pretrained()`` writes the plain model's checkpoint: in one pass, as transformers writes it, when the experts'
+copy fits in ``EXPERT_SHARD_BYTES``, else with the experts read from the store one group of layers at a time
+(``seam.checkpoints.save_pretrained_streaming``); ``load_state_dict()`` writes expert tensors through to the store
+(and empties the device slots that held the old values). ``remove`` undoes it.
 """
 
 from __future__ import annotations
 
 import functools
+
+import torch
 
 from ..seam import checkpoints, layers as hf_layers
 
@@ -22,20 +27,43 @@ def install(model, runtime) -> list:
     for i, moe in enumerate(hf_layers.moe_layers(model)):
         handles.append(moe.experts.register_state_dict_post_hook(_add_experts(runtime.store, i, moe.transposed)))
         handles.append(moe.experts.register_load_state_dict_pre_hook(_write_experts(runtime, i, moe.transposed)))
-    model.save_pretrained = functools.partial(save_pretrained, model)  # instance attribute: removed by remove()
+    model.save_pretrained = functools.partial(save_pretrained, model)  # instance attributes: removed by remove()
+    model.num_parameters = functools.partial(num_parameters, model)
     return handles
 
 
 def remove(model) -> None:
     vars(model).pop("save_pretrained", None)
+    vars(model).pop("num_parameters", None)
+
+
+_SKIP_EXPERTS = "_specfit_state_dict_skips_experts"  # set on the store while save_pretrained reads the other weights
 
 
 def _add_experts(store, layer: int, transposed: bool):
     def hook(module, state_dict, prefix, local_metadata):
+        if getattr(store, _SKIP_EXPERTS, False):
+            return
         for name, tensor in store.checkpoint_tensors(layer, transposed).items():
-            state_dict[prefix + name] = tensor
+            state_dict[prefix + name] = tensor.clone(memory_format=torch.contiguous_format)
 
     return hook
+
+
+def num_parameters(model, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """``model.num_parameters()`` on an enabled model: transformers' count of ``model.parameters()`` plus the routed
+    experts in the host store (frozen while SpecFit holds them, so not counted with ``only_trainable=True``)."""
+    count = type(model).num_parameters(model, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+    if only_trainable:
+        return count
+    store = model.specfit.store
+    return count + len(store.arenas) * store.num_experts * store.layout.numel
+
+
+def expert_copy_bytes(store) -> int:
+    """Bytes of every expert as the plain model holds them (the compute dtype): what copying them all takes."""
+    size = torch.empty((), dtype=store.compute_dtype).element_size()
+    return len(store.arenas) * store.num_experts * store.layout.numel * size
 
 
 def _write_experts(runtime, layer: int, transposed: bool):
@@ -85,11 +113,17 @@ def save_pretrained(model, save_directory, *, is_main_process: bool = True, stat
                          f"without variant=, or call specfit.disable(model) first")
     runtime = model.specfit
     with runtime.serialized("save_pretrained()"):
+        if expert_copy_bytes(runtime.store) <= EXPERT_SHARD_BYTES:  # one pass: the plain model's files, exactly
+            checkpoints.clear_checkpoint(save_directory)
+            type(model).save_pretrained(model, save_directory, is_main_process=is_main_process,
+                                        state_dict=model.state_dict(), max_shard_size=max_shard_size, **kwargs)
+            return
         layers = expert_keys(model)
-        full = model.state_dict()
-        keys = {prefix + n for _, prefix, names in layers for n in names}
-        rest = {k: v for k, v in full.items() if k not in keys}
-        del full
+        setattr(runtime.store, _SKIP_EXPERTS, True)
+        try:
+            rest = model.state_dict()  # every weight but the experts (read below, a group at a time)
+        finally:
+            setattr(runtime.store, _SKIP_EXPERTS, False)
         if not is_main_process:
             type(model).save_pretrained(model, save_directory, is_main_process=False, state_dict=rest,
                                         max_shard_size=max_shard_size, **kwargs)

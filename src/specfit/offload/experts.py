@@ -38,7 +38,7 @@ class LayerRuntime:
         self.runtime, self.index, self.cache = runtime, index, cache
 
     def forward(self, module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+                top_k_weights: torch.Tensor, rows_out: list | None = None) -> torch.Tensor:
         rt = self.runtime
         num_tokens, top_k = top_k_index.shape
         rt.routes.record(self.index, top_k_index)
@@ -74,8 +74,37 @@ class LayerRuntime:
             out.index_copy_(0, dest, y.reshape(-1, hidden))
         for _ in ready:  # the last group's waits are done; close the generator (marks the scratch ring free)
             pass
-        out = out[:-1] * top_k_weights.reshape(-1, 1).to(out.dtype)
-        return out.view(num_tokens, top_k, hidden).sum(dim=1)
+        if rows_out is not None:
+            rows_out.append(out[:-1])
+        return combine(out[:-1], top_k_weights)
+
+    def forward_rows(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """[T*k, H]: each (token, k)'s expert output, unweighted (``forward`` without the final sum)."""
+        rows = []
+        self.forward(module, hidden_states, top_k_index, top_k_weights, rows_out=rows)
+        return rows[0]
+
+    def input_grad(self, module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   grad_rows: torch.Tensor) -> torch.Tensor:
+        """Backward of the expert rows with respect to ``hidden_states`` [T, H]: ``grad_rows`` [T*k, H] is the
+        gradient of each (token, k)'s expert output. Every needed expert is read again from the host store (its
+        true values, whatever the slots hold now) and recomputed with autograd; no slot, counter or emulated link
+        is touched. The experts' own weights get no gradient (they are frozen while offloaded)."""
+        top_k = top_k_index.shape[1]
+        flat = to_host(top_k_index.reshape(-1))[0]  # [T*k]
+        rows = rows_by_expert(flat)
+        needed = sorted(rows)
+        plan = plan_group(rows, top_k, len(flat), needed, None, False, self.cache.num_slots)
+        device = hidden_states.device
+        take = torch.as_tensor(plan.take, device=device)
+        dest = torch.as_tensor(plan.dest, device=device)
+        padded = torch.cat([grad_rows, grad_rows.new_zeros(1, grad_rows.shape[1])])  # [T*k + 1, H]
+        parts = self.runtime.store.compute_parts(self._untracked(needed))  # [n, ...] in the compute dtype
+        with torch.enable_grad():
+            x = hidden_states.detach().index_select(0, take).requires_grad_()  # [n * width, H]
+            y = hf_experts.experts_forward_batched(module, x.view(len(needed), plan.width, -1), *parts)
+            (grad_x,) = torch.autograd.grad(y.reshape(-1, y.shape[-1]), x, padded.index_select(0, dest))
+        return torch.zeros_like(hidden_states).index_add_(0, take, grad_x.to(hidden_states.dtype))
 
     def _untracked(self, needed: list[int]) -> torch.Tensor:
         """The needed experts' weights [n, numel] straight from the arena, for the route oracle's measurement
@@ -89,6 +118,44 @@ class LayerRuntime:
         for i, e in enumerate(needed):
             buf[i].copy_(arena[e], non_blocking=True)
         return buf
+
+
+def combine(rows: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """rows [T*k, H] (each (token, k)'s expert output) weighted by top_k_weights [T, k] and summed over k -> [T, H],
+    in a fixed order (as transformers' batched path sums them)."""
+    num_tokens, top_k = top_k_weights.shape
+    out = rows * top_k_weights.reshape(-1, 1).to(rows.dtype)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+class TrainableExperts(torch.autograd.Function):
+    """The experts of one layer under autograd: the forward runs as at inference (no graph through the slots, whose
+    weights later copies overwrite), the backward recomputes each needed expert from the host store
+    (``LayerRuntime.input_grad``). Gradients reach the hidden states and the routing weights (so attention, routers,
+    norms and embeddings train); the routed experts themselves stay frozen, said once per model."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, layer, module, top_k_index):
+        with torch.no_grad():
+            rows = layer.forward_rows(module, hidden_states, top_k_index, top_k_weights)  # [T*k, H]
+        ctx.layer, ctx.module = layer, module
+        ctx.save_for_backward(hidden_states, top_k_weights, top_k_index, rows)
+        return combine(rows, top_k_weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out [T, H]
+        hidden_states, top_k_weights, top_k_index, rows = ctx.saved_tensors
+        ctx.layer.runtime.warn_frozen_experts()
+        num_tokens, top_k = top_k_weights.shape
+        grad_rows = grad_out[:, None, :].to(rows.dtype) * top_k_weights[..., None].to(rows.dtype)  # [T, k, H]
+        grad_hidden = grad_weights = None
+        if ctx.needs_input_grad[1]:
+            grad_weights = (rows.view(num_tokens, top_k, -1) * grad_out[:, None, :].to(rows.dtype)).sum(-1)
+            grad_weights = grad_weights.to(top_k_weights.dtype)  # [T, k]
+        if ctx.needs_input_grad[0]:
+            grad_rows = grad_rows.reshape(-1, rows.shape[-1])  # [T*k, H]
+            grad_hidden = ctx.layer.input_grad(ctx.module, hidden_states, top_k_index, grad_rows)
+        return grad_hidden, grad_weights, None, None, None
 
 
 class GroupPlan:
@@ -226,12 +293,33 @@ def choose_experts_path(device: torch.device, dtype: torch.dtype, layout) -> boo
     return ok
 
 
+# torch.compile traces around the experts, never into them; fullgraph=True is refused with this reason
+COMPILE_REASON = ("SpecFit plans each MoE layer's expert copies on the host from the layer's routes, which a compiled "
+                  "graph cannot hold: compile without fullgraph=True (the graph breaks at each MoE layer's experts), "
+                  "or call specfit.disable(model) first")
+
+
 def specfit_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
-    """Registered in transformers' experts interface as ``"specfit"``; ``self`` is the experts module."""
+    """Registered in transformers' experts interface as ``"specfit"``; ``self`` is the experts module. Under
+    autograd (a forward whose output needs a gradient) the experts run as ``TrainableExperts``; traced by
+    torch.compile, outside the graph (eager calls skip that wrapper: it costs microseconds per call)."""
+    if torch.compiler.is_compiling():
+        return _experts_outside_graph(self, hidden_states, top_k_index, top_k_weights)
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+@torch.compiler.disable(reason=COMPILE_REASON)
+def _experts_outside_graph(self, hidden_states, top_k_index, top_k_weights):
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     layer = getattr(self, ATTR, None)
     if layer is None:
         raise RuntimeError(
             f"{type(self).__name__} runs the 'specfit' experts implementation but has no SpecFit runtime attached; "
             f"use specfit.enable(model, ...) rather than setting the implementation by hand")
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+        return TrainableExperts.apply(hidden_states, top_k_weights, layer, self, top_k_index)
     return layer.forward(self, hidden_states, top_k_index, top_k_weights)

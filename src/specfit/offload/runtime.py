@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -61,6 +62,7 @@ class SpecFitRuntime:
         self.acceptance_models: dict = {}
         self.acceptance_log: list | None = None
         self._restore = None  # what disable() needs; set by enable()
+        self.frozen_experts_said = False  # backward was told once that the routed experts get no gradient
 
     @property
     def num_experts(self) -> int:
@@ -126,6 +128,15 @@ class SpecFitRuntime:
             return
         self.engine.settle(self.forward_counters)  # this forward's copies, timed (its last layer waited for them)
         self.stats.forward_done(self.forward_counters)
+
+    def warn_frozen_experts(self) -> None:
+        """Said once per model, at its first backward: the routed experts are frozen while SpecFit holds them."""
+        if not self.frozen_experts_said:
+            self.frozen_experts_said = True
+            warnings.warn("backward() on a SpecFit-enabled model: gradients reach the inputs and every weight in "
+                          "model.parameters() (attention, routers, norms, embeddings), none reach the routed experts, "
+                          "which are frozen in SpecFit's host store while it is enabled. Call specfit.disable(model) "
+                          "first to train the experts", UserWarning, stacklevel=3)
 
     @contextmanager
     def measurement(self):

@@ -10,7 +10,8 @@ import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, apply_renamings
 
-__all__ = ["checkpoint_renamer", "ignored_checkpoint_key", "quantization_method", "save_pretrained_streaming"]
+__all__ = ["checkpoint_renamer", "ignored_checkpoint_key", "quantization_method", "clear_checkpoint",
+           "save_pretrained_streaming"]
 
 def checkpoint_renamer(model):
     """key -> key: transformers' own renamings of hub checkpoint keys for this model (``conversion_mapping``: e.g.
@@ -56,11 +57,7 @@ def save_pretrained_streaming(model, save_directory, rest: dict, expert_groups: 
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
     folder = os.fspath(save_directory)
-    os.makedirs(folder, exist_ok=True)
-    ours = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|" + re.escape(SAFE_WEIGHTS_INDEX_NAME))
-    for name in os.listdir(folder):  # a checkpoint saved here before is replaced, as transformers replaces it
-        if ours.fullmatch(name):
-            os.remove(os.path.join(folder, name))
+    clear_checkpoint(folder)
     type(model).save_pretrained(model, folder, state_dict=rest, save_original_format=save_original_format,
                                 **kwargs)
 
@@ -92,6 +89,21 @@ def save_pretrained_streaming(model, save_directory, rest: dict, expert_groups: 
              "weight_map": {key: final[file] for key, file in sorted(weight_map.items())}}
     with open(index_path, "w", encoding="utf-8") as f:
         f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def clear_checkpoint(save_directory) -> None:
+    """Remove the weights of a checkpoint saved in ``save_directory`` before (one file, or shards and their index),
+    so that saving again replaces it whatever its sharding was."""
+    import os
+
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
+
+    folder = os.fspath(save_directory)
+    os.makedirs(folder, exist_ok=True)
+    ours = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|" + re.escape(SAFE_WEIGHTS_INDEX_NAME))
+    for name in os.listdir(folder):
+        if ours.fullmatch(name):
+            os.remove(os.path.join(folder, name))
 
 
 def _stored_bytes(path) -> int:

@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 __all__ = ["EXPERTS_IMPL", "register_experts_implementation", "experts_implementation", "set_experts_implementation",
-           "expert_activation", "experts_forward_batched", "grouped_mm", "experts_forward_grouped"]
+           "own_config", "restore_config", "expert_activation", "experts_forward_batched", "grouped_mm",
+           "experts_forward_grouped"]
 
 EXPERTS_IMPL = "specfit"
 
@@ -30,6 +33,38 @@ def set_experts_implementation(model, name: str, forward=None) -> None:
             raise ValueError("the 'specfit' experts implementation needs its forward function")
         register_experts_implementation(forward)
     model.set_experts_implementation(name)
+
+
+def own_config(model) -> tuple:
+    """Give the model a private copy of its config (every module holding the config object, or one of its
+    sub-configs, gets the copy), so that selecting the experts implementation writes into the model's config only,
+    never into the object the caller built it from (a model built later from that config would otherwise run
+    ``"specfit"`` without a runtime). Returns what ``restore_config`` needs."""
+    original = model.config
+    memo: dict = {}
+    private = copy.deepcopy(original, memo)
+    swapped = []
+    for module in model.modules():
+        held = vars(module).get("config")
+        if held is not None and id(held) in memo:
+            swapped.append((module, held))
+            module.config = memo[id(held)]
+    return original, private, copy.deepcopy(private), swapped
+
+
+def restore_config(model, saved) -> None:
+    """Inverse of ``own_config``: every module gets its original config object back, with the changes made to the
+    model's config while it had its own copy (``model.config.use_cache = False``, ...) carried over; the experts
+    implementation is the one it had (set back before this is called)."""
+    original, private, at_copy, swapped = saved
+    for module, held in swapped:
+        module.config = held
+    for key, value in vars(private).items():
+        if key != "_experts_implementation_internal" and value != vars(at_copy).get(key, _MISSING):
+            setattr(original, key, value)
+
+
+_MISSING = object()
 
 
 def expert_activation(experts: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["EXPERT_PARAMS", "ExpertLayout", "MoELayer", "router_top_k", "decoder_layers", "compute_dtype", "moe_layers",
+__all__ = ["EXPERT_PARAMS", "ExpertLayout", "MoELayer", "router_top_k", "base_model", "decoder_layers", "compute_dtype",
+           "moe_layers",
            "route_blocks", "unroute_blocks", "expert_tensors", "release_expert_tensors", "restore_expert_tensors",
-           "expert_param"]
+           "expert_param", "hide_expert_plans", "restore_expert_plans"]
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
@@ -132,6 +133,29 @@ def restore_expert_tensors(moe: MoELayer, tensors, device, dtype, requires_grad:
             setattr(moe.experts, name, nn.Parameter(t.to(device, dtype or t.dtype), requires_grad))
 
 
+def hide_expert_plans(model: nn.Module) -> list:
+    """While the experts are released (not the model's parameters), the parallel plans of every PreTrainedModel in
+    the model (``_tp_plan``, ``_ep_plan``: tensor and expert parallelism) name none of their tensors: entries naming
+    ``experts.gate_up_proj``, ``experts.down_proj``, ... are dropped. Returns what ``restore_expert_plans`` puts
+    back."""
+    saved = []
+    for module in model.modules():
+        for attr in ("_tp_plan", "_ep_plan"):
+            plan = vars(module).get(attr)
+            if not plan:
+                continue
+            kept = {k: v for k, v in plan.items() if k.split(".")[-2:] not in [["experts", p] for p in EXPERT_PARAMS]}
+            if len(kept) != len(plan):
+                saved.append((module, attr, plan))
+                setattr(module, attr, kept)
+    return saved
+
+
+def restore_expert_plans(saved: list) -> None:
+    for module, attr, plan in saved:
+        setattr(module, attr, plan)
+
+
 def expert_param(moe: MoELayer) -> torch.Tensor:
     """A parameter of the experts (for their device, dtype and requires_grad before enable)."""
     return moe.experts.gate_up_proj
@@ -142,19 +166,28 @@ def compute_dtype(model) -> torch.dtype:
     return model.get_input_embeddings().weight.dtype
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack, the module holding ``layers``: ``model.model`` of a causal LM, else transformers'
+    ``model.base_model`` (``model.transformer`` of Qwen3-MoE's question-answering head, the model itself for
+    ``Qwen3MoeModel``)."""
+    for candidate in (getattr(model, "model", None), getattr(model, "base_model", None)):
+        if isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            return candidate
+    return model
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
+    layers = getattr(base_model(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no `model.layers`; SpecFit supports decoder-only causal LMs "
-                         f"such as Qwen3MoeForCausalLM")
+        raise ValueError(f"{type(model).__name__} has no decoder layers (`base_model.layers`); SpecFit supports "
+                         f"decoder-only MoE models such as Qwen3MoeForCausalLM")
     return layers
 
 
 def _router_classes(model) -> tuple[tuple[type, ...], tuple[str, ...]]:
     """The router classes the model declares (``_can_record_outputs["router_logits"]``), as classes and names."""
     specs = []
-    for owner in (model, getattr(model, "model", None)):  # Llama-4 declares it on the text model only
+    for owner in (model, base_model(model)):  # Llama-4 declares it on the text model only
         spec = (getattr(owner, "_can_record_outputs", None) or {}).get("router_logits")
         specs += spec if isinstance(spec, (list, tuple)) else [] if spec is None else [spec]
     classes, names = [], []
