@@ -133,3 +133,15 @@ def test_a_prompts_forward_is_bit_identical_to_plain_whatever_the_slots_hold(dty
                 if other is not None:
                     model(other)
                 assert torch.equal(model(prompt).logits, want), (slots, other is None)
+
+
+def test_buckets_by_row_count_compute_the_same_experts(monkeypatch):
+    """The gathered path CUDA takes where grouped matmuls cannot run (experts bucketed by row count, one bmm per
+    bucket), run on the CPU: the prompt's logits agree with plain's to fp32 rounding, at 2 and 6 slots."""
+    monkeypatch.setattr(offload_experts, "gathered_path", lambda device: offload_experts.BUCKETS)
+    prompt = torch.randint(2, 256, (1, 50), generator=torch.Generator().manual_seed(50))
+    with torch.no_grad():
+        want = tiny_moe()(prompt).logits
+        for slots in (2, 6):
+            got = specfit.enable(tiny_moe(), cache_slots=slots)(prompt).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

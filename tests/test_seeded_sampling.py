@@ -38,12 +38,13 @@ def plain_gumbel_sample(seed):
     noise = PositionNoise(draw_seed())
     processors = LogitsProcessorList([TemperatureLogitsWarper(SAMPLING["temperature"]),
                                       TopKLogitsWarper(SAMPLING["top_k"])])
-    ids = PROMPT
+    ids, all_scores = PROMPT, []
     with torch.no_grad():
         for _ in range(NEW):
             scores = processors(ids, model(ids).logits[:, -1].float())[0]
+            all_scores.append(scores)
             ids = torch.cat([ids, torch.tensor([[noise.sample(ids.shape[1], scores)]])], dim=1)
-    return ids[0, PROMPT.shape[1]:].tolist()
+    return ids[0, PROMPT.shape[1]:].tolist(), all_scores
 
 
 def test_same_seed_same_text_ten_times_whatever_specfit_learned():
@@ -63,12 +64,37 @@ def test_same_seed_same_text_ten_times_whatever_specfit_learned():
 
 def test_seeded_text_is_the_plain_targets_gumbel_sample():
     """Token for token, the assistants' sampled text is the plain model's argmax(scores + g_position): every
-    committed token is the target's own sample at its position, whichever tree proposed it."""
+    committed token is the target's own sample at its position, whichever tree proposed it. The returned scores are
+    the processed scores it was drawn from; eos stops the same text early; a streamer sees the same tokens."""
+    from transformers.generation.streamers import BaseStreamer
+
+    want, want_scores = plain_gumbel_sample(5)
     model = enabled()
-    for seed in (5,):
-        want = plain_gumbel_sample(seed)
-        assert sampled(model, seed, "specfit") == want
-        assert sampled(model, seed, "eagle3") == want
+    assert sampled(model, 5, "specfit") == want
+    torch.manual_seed(5)
+    out = model.generate(PROMPT, max_new_tokens=NEW, assistant="eagle3", return_dict_in_generate=True,
+                         output_scores=True, **SAMPLING)
+    assert out.sequences[0, PROMPT.shape[1]:].tolist() == want
+    for got, expected in zip(out.scores, want_scores, strict=True):
+        torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens += value.reshape(-1).tolist()
+
+        def end(self):
+            pass
+
+    eos = want[6]
+    stop = want.index(eos) + 1
+    streamer = Collect()
+    torch.manual_seed(5)
+    got = model.generate(PROMPT, max_new_tokens=NEW, assistant="specfit", eos_token_id=eos, streamer=streamer,
+                         **SAMPLING)[0, PROMPT.shape[1]:].tolist()
+    assert got == want[:stop] and streamer.tokens[-stop:] == want[:stop]
 
 
 def test_position_noise_is_keyed_by_seed_and_position_only():

@@ -56,7 +56,7 @@ class LayerRuntime:
         fetch = None if rt.untracked else self.cache.start(needed, rt.forward_counters)
         groups = [("untracked", needed, None)] if fetch is None else fetch.groups
         grouped = rt.grouped_experts and fetch is not None
-        gathered = OWN if hidden_states.device.type == "cpu" else BUCKETS
+        gathered = gathered_path(hidden_states.device)
         plans = [plan_group(rows, top_k, experts, slots, SLOTS if grouped and slots is not None else gathered,
                             self.cache.num_slots) for kind, experts, slots in groups]  # per group: its plans
         if fetch is None:  # the measurement's own buffer, its experts in plan order: each plan's is a slice of it
@@ -125,6 +125,12 @@ class GroupPlan:
 
     def arrays(self) -> tuple:
         return self.take, self.dest, self.slots or [], self.offsets or []
+
+
+def gathered_path(device: torch.device) -> str:
+    """How a group with gathered weights computes: ``OWN`` on the CPU (there ``grouped_mm`` is one matmul per group in
+    any dtype, transformers' own computation), else ``BUCKETS`` (CUDA's grouped matmuls take bf16 only)."""
+    return OWN if device.type == "cpu" else BUCKETS
 
 
 def plan_group(rows: dict[int, list[int]], top_k: int, experts: list[int], slots: list[int] | None, how: str,
