@@ -106,13 +106,13 @@ def test_judge_counts_gaps_and_deviations_in_noise_units():
     want_logits = torch.tensor([[5.0, 1.0, 0.0], [2.0, 1.9, 0.0], [0.0, 3.0, 1.0]])
     got_logits = want_logits.clone()
     got_logits[1, 1] += 0.2  # plain's 0.1 gap flipped by 0.2 of rounding
-    v = near_ties.judge([0, 0, 1], want_logits, [0, 1, 2], got_logits, noise=0.05)
+    v = near_ties.judge([0, 0, 1], want_logits, [0, 1, 2], got_logits, noise=0.1)
     assert (v.divergence, v.compared, v.first_token_equal) == (1, 2, True)
-    assert v.gap == pytest.approx(0.1) and v.gap_units == pytest.approx(2.0)
-    assert v.deviation_units == pytest.approx(4.0) and v.near_tie and v.ok
-    assert not near_ties.judge([0, 0, 1], want_logits, [0, 1, 2], got_logits, noise=0.04).ok  # 5 units: too far
-    far = near_ties.judge([0, 0, 1], want_logits, [1, 0, 1], got_logits, noise=0.05)
-    assert not far.first_token_equal and far.gap_units == pytest.approx(80.0) and not far.near_tie
+    assert v.gap == pytest.approx(0.1) and v.gap_units == pytest.approx(1.0)
+    assert v.deviation_units == pytest.approx(2.0) and v.near_tie and v.ok
+    assert not near_ties.judge([0, 0, 1], want_logits, [0, 1, 2], got_logits, noise=0.09).ok  # 2.2 units: too far
+    far = near_ties.judge([0, 0, 1], want_logits, [1, 0, 1], got_logits, noise=0.1)
+    assert not far.first_token_equal and far.gap_units == pytest.approx(40.0) and not far.near_tie
     assert near_ties.judge([0, 0, 1], want_logits, [0, 0, 1], want_logits, noise=0.05).divergence is None
     assert near_ties.near_tie_rate(want_logits, 0.2) == pytest.approx(1 / 3)
     assert near_ties.noise_unit([0.0, 0.0], want_logits, torch.bfloat16) == 4 * 2**-7  # one ulp of 5.0 in bf16
