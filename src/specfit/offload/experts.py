@@ -31,6 +31,7 @@ import warnings
 
 import numpy as np
 import torch
+from torch.torch_version import TorchVersion
 
 from ..seam import experts as hf_experts
 from .cache import Group
@@ -127,10 +128,15 @@ class GroupPlan:
         return self.take, self.dest, self.slots or [], self.offsets or []
 
 
+# torch's CPU grouped matmul takes any dtype and alignment from 2.11 (2.9-2.10 want 16-byte aligned operands, 2.8 and
+# earlier have no CPU kernel: transformers' experts then loop one matmul per expert, which BUCKETS matches in fp32)
+_CPU_GROUPED_MM = TorchVersion(torch.__version__) >= (2, 11)
+
+
 def gathered_path(device: torch.device) -> str:
     """How a group with gathered weights computes: ``OWN`` on the CPU (there ``grouped_mm`` is one matmul per group in
     any dtype, transformers' own computation), else ``BUCKETS`` (CUDA's grouped matmuls take bf16 only)."""
-    return OWN if device.type == "cpu" else BUCKETS
+    return OWN if device.type == "cpu" and _CPU_GROUPED_MM else BUCKETS
 
 
 def plan_group(rows: dict[int, list[int]], top_k: int, experts: list[int], slots: list[int] | None, how: str,
