@@ -110,7 +110,8 @@ def main() -> None:
     plain_logits = torch.cat([r["logits"] for r in refs])
     unit = near_ties.noise_unit(noise, plain_logits, torch.bfloat16)
     q = torch.tensor(noise).quantile(torch.tensor([0.5, 0.9, 0.99])).tolist()
-    thresholds = {"median noise": q[0], "p99 noise": q[2], "1 unit": unit, "2 units": 2 * unit, f"{k:g} units": k * unit}
+    thresholds = {"median noise": q[0], "p99 noise": q[2], "1 unit": unit, "2 units": 2 * unit,
+                  f"{k:g} units": k * unit}
     result = {"dtype": "bfloat16", "prompts": len(prompts), "tokens": args.tokens, "k": k,
               "link": None if link is None else link.label, "noise_unit": unit, "noise_max": max(noise),
               "noise_quantiles": {"p50": q[0], "p90": q[1], "p99": q[2]}, "noise_positions": len(noise),

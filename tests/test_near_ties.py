@@ -17,8 +17,15 @@ from specfit.selection.cost_model import CostModel
 COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.002, copy_overhead=0.008,
                  link_share=1.0)
 FIRST = 7  # every prompt starts with this token: one self-drafter serves them all
-PROMPTS = [torch.cat([torch.tensor([[FIRST]]), torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(n))],
-                     dim=1) for n in (20, 33)]
+
+
+def prompt_of(n: int) -> torch.Tensor:
+    """[1, n + 1]: FIRST, then n random tokens."""
+    rest = torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(n))
+    return torch.cat([torch.tensor([[FIRST]]), rest], dim=1)
+
+
+PROMPTS = [prompt_of(n) for n in (20, 33)]
 NEW = 16
 GREEDY = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_logits=True)
 

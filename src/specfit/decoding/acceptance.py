@@ -85,9 +85,9 @@ def child_labels(tree, layout, acc: Acceptance, choices: list[int] | None, sampl
     target's choice at the parent, else 0.0 (under processors the choice is the argmax of the processed scores, which
     is what the walk accepts). Sampling: the target's probability ``p(x)`` of the child's token, softmax of the
     processed scores. The walk treats the draft as one-hot: it accepts the child holding the token the target samples
-    there (``argmax(scores + g)``, Gumbel-max), which is ``x`` with probability ``p(x)`` whatever the siblings. (``min(1,
-    p/q)`` is the rule for a draft *sampled* from ``q``, which this loop does not do.) The probabilities of every
-    labelled child come to the host in one transfer per cycle.
+    there (``argmax(scores + g)``, Gumbel-max), which is ``x`` with probability ``p(x)`` whatever the siblings.
+    (``min(1, p/q)`` is the rule for a draft *sampled* from ``q``, which this loop does not do.) The probabilities of
+    every labelled child come to the host in one transfer per cycle.
 
     Args:
         tree: the pool (``DraftTree``); layout: its ``VerifyLayout``; acc: the walk's ``Acceptance``.

@@ -14,19 +14,19 @@ plain transformers alone (no SpecFit code):
   at a time. Per position: the largest absolute logit difference over the vocabulary. The noise unit
   (``noise_unit``) is the largest of them over every measured position (prompts pooled), and at least one ulp of the
   largest logit.
-- ``judge``: one assistant's greedy output against plain's. The prefill gives the first token, and SpecFit computes the
-  prompt's forward as plain ``generate()`` does, so the first token must be identical. Up to and including the first
-  divergence the prefixes are identical, so the assistant's logits at each of those positions (``output_logits``)
-  are compared with plain's: the largest deviation, in noise units. At the first divergence, plain's logit gap between its own token
-  and the assistant's token is the margin that flipped. Each logit moves by at most the deviation at that position,
-  so a pair's gap moves by at most twice it: with deviations inside the noise unit, only gaps up to 2 units can flip.
-  So ``k = 2`` (the default): a divergence is a *near-tie* when that gap is at most 2 noise units, and every compared
-  position's deviation must be at most 2 units too (twice the largest plain transformers itself shows). Measured on
-  the embedded model in bf16 (``benchmarks/bf16_near_ties.py``, BENCHMARKS.md): the assistants' deviations stay
-  below 1 unit and their divergences sit at gaps below 0.2 units, several of them exact ties in bf16; a wrong expert
-  or a wrong tree mask on the tiny test model shows as deviations of 7 to several hundred units (``tests/
-  test_near_ties.py`` injects both). Only the first divergence of a pair of texts is comparable: after it the
-  prefixes differ.
+- ``judge``: one assistant's greedy output against plain's. The prefill gives the first token, and SpecFit computes
+  the prompt's forward as plain ``generate()`` does, so the first token must be identical. Up to and including the
+  first divergence the prefixes are identical, so the assistant's logits at each of those positions
+  (``output_logits``) are compared with plain's: the largest deviation, in noise units. At the first divergence,
+  plain's logit gap between its own token and the assistant's token is the margin that flipped. Each logit moves by at
+  most the deviation at that position, so a pair's gap moves by at most twice it: with deviations inside the noise
+  unit, only gaps up to 2 units can flip. So ``k = 2`` (the default): a divergence is a *near-tie* when that gap is at
+  most 2 noise units, and every compared position's deviation must be at most 2 units too (twice the largest plain
+  transformers itself shows). Measured on the embedded model in bf16 (``benchmarks/bf16_near_ties.py``,
+  BENCHMARKS.md): the assistants' deviations stay below 1 unit and their divergences sit at gaps below 0.2 units,
+  several of them exact ties in bf16; a wrong expert or a wrong tree mask on the tiny test model shows as deviations
+  of 7 to several hundred units (``tests/test_near_ties.py`` injects both). Only the first divergence of a pair of
+  texts is comparable: after it the prefixes differ.
 - ``near_tie_rate``: the share of plain's positions whose top-1/top-2 gap is at most ``k`` noise units (how often a
   flip is possible at all).
 """
@@ -53,7 +53,8 @@ def step_logits(out) -> torch.Tensor:
 
 
 @torch.no_grad()
-def shape_noise(model, sequence: torch.Tensor, prompt_len: int, ar_logits: torch.Tensor, width: int = 4) -> list[float]:
+def shape_noise(model, sequence: torch.Tensor, prompt_len: int, ar_logits: torch.Tensor,
+                width: int = 4) -> list[float]:
     """Per generated position after the first: max |logit difference| between plain one-token decoding
     (``ar_logits`` [n, V], plain ``generate()``'s ``output_logits``) and the same positions computed inside tree
     forwards, on ``model``, a plain transformers model. ``sequence`` [1, prompt_len + n]: the prompt and plain's
