@@ -9,7 +9,7 @@ tokens fed back as small trees against its one-token logits (``specfit.evaluatio
 criterion). Held out: GSM8K test questions and CNN/DailyMail test articles from index 100 on.
 
     python benchmarks/bf16_near_ties.py --slots 6 24 --gsm8k 8 --cnn 8 --tokens 64   # the figures (~40 min, CPU)
-    python benchmarks/bf16_near_ties.py --smoke                                      # 1 + 1 prompts, 12 tokens
+    python benchmarks/bf16_near_ties.py --smoke                                      # 1 + 1 prompts, 24 tokens
 
 CPU, no link by default (a link changes timing, not values; ``--link-ratio 1`` for the default emulated one).
 Writes ``results.json`` and prints one row per slot count and method.
@@ -24,15 +24,10 @@ import warnings
 from pathlib import Path
 
 import torch
+from forecast_goals import held_out  # the same held-out prompts (this folder)
 
 METHODS = (None, "eagle3", "specfit")
 GREEDY = dict(do_sample=False, return_dict_in_generate=True, output_logits=True)
-
-
-def held_out(workload: str, n: int, offset: int) -> list[str]:
-    from specfit.evaluation import datasets
-
-    return datasets.prompts(workload, offset + n, max_chars=1500)[offset:]
 
 
 def plain_references(tokenizer, prompts: list[str], tokens: int) -> tuple[list[dict], list[float]]:
@@ -92,11 +87,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--k", type=float, default=None, help="near-tie threshold in noise units (default: near_ties.K)")
     p.add_argument("--link-ratio", type=float, default=0.0, help="x the structural default link; 0: no link")
-    p.add_argument("--smoke", action="store_true", help="1 GSM8K + 1 CNN prompt, 12 tokens, 6 slots")
+    p.add_argument("--smoke", action="store_true", help="1 GSM8K + 1 CNN prompt, 24 tokens, 6 slots")
     p.add_argument("--out", default="benchmarks/results/bf16_near_ties")
     args = p.parse_args()
     if args.smoke:
-        args.slots, args.gsm8k, args.cnn, args.tokens = [6], 1, 1, 12
+        args.slots, args.gsm8k, args.cnn, args.tokens = [6], 1, 1, 24
     torch.set_num_threads(1)
     from specfit import embedded
     from specfit.evaluation import near_ties

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from forecast_goals import held_out  # the same held-out prompts (this folder)
 
 
 def main() -> None:
@@ -34,11 +35,9 @@ def main() -> None:
         args.prompts, args.repeats, args.tokens = 1, 3, 12
     torch.set_num_threads(1)
     from specfit import embedded
-    from specfit.evaluation import datasets
 
     gsm = (args.prompts + 1) // 2
-    prompts = datasets.prompts("gsm8k", 100 + gsm)[100:] + \
-        datasets.prompts("cnn", 100 + args.prompts - gsm, max_chars=1500)[100:]
+    prompts = held_out("gsm8k", gsm, 100) + held_out("cnn", args.prompts - gsm, 100)
     model, tokenizer = embedded.load(args.slots, link=embedded.default_link())
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.tokens)
     t0 = time.perf_counter()
