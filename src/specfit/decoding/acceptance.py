@@ -2,10 +2,12 @@
 
 Vocabulary: *accepted* tokens are draft nodes on the path the target agrees with; the *bonus* token is the target's
 own choice after the last accepted node (the next root). Greedy: follow the child whose token is the target's
-argmax. Sampling (lossless tree speculative sampling with the draft treated as one-hot, as in EAGLE-2/3): at each
-node, try the children in turn; child x is accepted with probability p(x), else p(x) is set to 0 and p renormalised;
-when no child is left, the bonus token is sampled from what remains of p. The output distribution equals the
-target's (SafeAILab/EAGLE#110 explains why).
+argmax. Sampling (lossless tree speculative sampling with the draft treated as one-hot): at each node the target's
+token is sampled by the Gumbel-max trick, ``argmax(scores + g)`` with the Gumbel noise ``g`` of that node's sequence
+position (``position_noise.py``), and the walk follows the child holding that token; when none does, it is the bonus
+token. Every committed token is then an exact sample of the target given the tokens before it, so the output
+distribution equals the target's, and the token at a position depends on the seed and the position only, not on the
+tree: seeded sampling repeats.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from .position_noise import PositionNoise, draw_seed
 
 
 @dataclass
@@ -24,42 +28,28 @@ class Acceptance:
 
 
 def walk(children: Callable[[int], list[int]], tokens: list[int], scores_at: Callable[[int, list[int]], torch.Tensor],
-         do_sample: bool) -> Acceptance:
+         do_sample: bool, sample: Callable[[int, torch.Tensor], int] | None = None) -> Acceptance:
     """Walk the verify tree from the root (tree index 0).
 
-    children(t): tree indices of t's children, in the order to try them (highest draft probability first).
-    tokens[t]: the token of tree index t. scores_at(t, accepted_tokens): processed scores [V] at t, given the
-    accepted tokens so far (logits processors see the prefix).
+    children(t): tree indices of t's children. tokens[t]: the token of tree index t. scores_at(t, accepted_tokens):
+    processed scores [V] at t, given the accepted tokens so far (logits processors see the prefix).
+    sample(i, scores): the token sampled from ``scores`` as the walk's i-th token (sampling only; the loop passes
+    ``PositionNoise.sample`` at the sequence position of that token). Without it, noise keyed by a seed drawn now from
+    torch's global generator: an exact sample that repeats only under the same global seed.
     """
+    if do_sample and sample is None:
+        noise = PositionNoise(draw_seed())
+        sample = noise.sample
     acc = Acceptance()
     t = 0
     while True:
         scores = scores_at(t, acc.tokens)
-        kids = children(t)
-        if not do_sample:
-            choice = int(torch.argmax(scores))
-            acc.tokens.append(choice)
-            acc.scores.append(scores)
-            nxt = next((c for c in kids if tokens[c] == choice), None)
-            if nxt is None:
-                return acc
-            acc.path.append(nxt)
-            t = nxt
-            continue
-        p = torch.softmax(scores, -1)
-        nxt = None
-        for c in kids:
-            x = tokens[c]
-            if torch.rand((), device=p.device) < p[x]:
-                nxt = c
-                break
-            p[x] = 0.0
-            p = p / p.sum()
+        choice = sample(len(acc.tokens), scores) if do_sample else int(torch.argmax(scores))
+        acc.tokens.append(choice)
         acc.scores.append(scores)
+        nxt = next((c for c in children(t) if tokens[c] == choice), None)
         if nxt is None:
-            acc.tokens.append(int(torch.multinomial(p, 1)))
             return acc
-        acc.tokens.append(tokens[nxt])
         acc.path.append(nxt)
         t = nxt
 
@@ -94,10 +84,10 @@ def child_labels(tree, layout, acc: Acceptance, choices: list[int] | None, sampl
     A label is the chance that the child is accepted once its parent is. Greedy: 1.0 when the child's token is the
     target's choice at the parent, else 0.0 (under processors the choice is the argmax of the processed scores, which
     is what the walk accepts). Sampling: the target's probability ``p(x)`` of the child's token, softmax of the
-    processed scores. The walk treats the draft as one-hot: a child is tried only when its earlier siblings were
-    rejected (probability ``1 - sum of their p``) and then accepted with ``p(x) / (1 - sum of their p)``, so its
-    chance is ``p(x)`` whatever its place. (``min(1, p/q)`` is the rule for a draft *sampled* from ``q``, which this
-    loop does not do.) The probabilities of every labelled child come to the host in one transfer per cycle.
+    processed scores. The walk treats the draft as one-hot: it accepts the child holding the token the target samples
+    there (``argmax(scores + g)``, Gumbel-max), which is ``x`` with probability ``p(x)`` whatever the siblings.
+    (``min(1, p/q)`` is the rule for a draft *sampled* from ``q``, which this loop does not do.) The probabilities of
+    every labelled child come to the host in one transfer per cycle.
 
     Args:
         tree: the pool (``DraftTree``); layout: its ``VerifyLayout``; acc: the walk's ``Acceptance``.

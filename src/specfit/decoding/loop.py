@@ -5,7 +5,10 @@ One cycle: (1) draft a pool, (2) select the subtree to verify, (3) verify root +
 drafted children of the positions it scored (its acceptance model learns from them; no extra transfer for greedy
 decoding, one per cycle for sampling), (5) compact the KV cache to that path, (6) observe:
 commit the tokens (stopping criteria, streamer) and feed the drafter. The target runs every expert its router picks,
-so the output equals plain ``generate()`` (greedy: token for token; sampling: in distribution).
+so the output equals plain ``generate()``: greedy, token for token in fp32 (the prompt's forward is plain's bit for
+bit; in bf16/fp16 a verify forward rounds differently from a one-token step, so texts may part at near-ties:
+``evaluation/near_ties.py``); sampling, in distribution, each token drawn with Gumbel noise keyed by the call's seed
+and its position, so the same seed gives the same text whatever the trees (``position_noise.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ..drafting.tree import verify_layout
 from ..transfer import to_host
 from ..selection.route_sources import Cycle
 from .acceptance import walk, walk_greedy
+from .position_noise import PositionNoise
 
 UNSUPPORTED = {"num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False}
 # generation-config fields that make transformers run another method than greedy/sampling, with their neutral values
@@ -137,7 +141,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
                 logits_to_keep=1)
     features = runtime.aux_capture.features()  # [1, P, 3H]
     scope.prefill_done()  # from here on, everything is decode time: the first token, the drafter's prompt pass
-    first = walk(lambda t: [], [], lambda t, acc: run.scores(out.logits[0, -1], acc), do_sample)
+    first = walk(lambda t: [], [], lambda t, acc: run.scores(out.logits[0, -1], acc), do_sample, run.sample)
     run.commit(first)
     kv = input_ids.shape[1]  # positions in the KV cache, known on the host (a static cache counts on the device)
     if not run.done:
@@ -163,7 +167,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
             acc = walk_greedy(layout.children, tokens, choices, run.raw_scores(out.logits[0]))
         else:
             acc = walk(layout.children, tokens, lambda t, accepted: run.scores(out.logits[0, t], accepted),
-                       do_sample)
+                       do_sample, run.sample)
         gen.learn(tree, layout, acc, choices, do_sample)  # what the target did with the drafted children it saw
         kept = [0] + acc.path  # tree indices, ascending
         prefix = kept == list(range(len(kept)))
@@ -206,6 +210,9 @@ class _Run:
         self.plain_greedy = not generation_config.do_sample and len(logits_processor) == 0 and \
             not generation_config.output_logits
         self.keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        # sampling: Gumbel noise per sequence position, from one seed drawn per call, so the sampled text does not
+        # depend on the trees (position_noise.py)
+        self.noise = PositionNoise.drawn() if generation_config.do_sample else None
         self.done = False
         self.all_scores, self.all_logits = [], []
         self._raw: list[torch.Tensor] = []  # raw logits behind each scores() call of this cycle, in walk order
@@ -221,6 +228,11 @@ class _Run:
             new = self.staging.to_device([self.tokens[self._synced:]]).to(self._ids.dtype)
             self._ids, self._synced = torch.cat([self._ids, new], dim=1), len(self.tokens)
         return self._ids
+
+    def sample(self, i: int, scores: torch.Tensor) -> int:
+        """The token sampled from ``scores`` [V] for the i-th place after the committed tokens (keyed by its
+        position in the sequence)."""
+        return self.noise.sample(self.length + i, scores)
 
     def raw_scores(self, logits: torch.Tensor):
         """scores_at(t) for the greedy walk: the raw logits row, kept only when output_scores asks for it."""

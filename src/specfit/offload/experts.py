@@ -7,11 +7,18 @@ experts that become ready together (``LayerCache.ready``), which rows each reads
 those indices to the device in one transfer that does not stop the host (``transfer.Staging``). Compute then runs a
 few batched calls per group, the hits' compute overlapping the misses' copies:
 
-- *gathered* (CPU, and CUDA where grouped matmuls cannot run): each group's rows padded to its busiest expert's count
-  and one ``bmm`` per projection over the group's weights, gathered from the slots (a view when they are consecutive);
-- *grouped* (CUDA, bfloat16, no expert biases): one ``grouped_mm`` per projection over *all* slots, with the rows
-  sorted by slot and per-slot offsets, so no weight is copied on the device (transformers' grouped_mm path does the
-  same over its parameters).
+- *grouped over the slots* (CUDA, bfloat16, no expert biases): one ``grouped_mm`` per projection over *all* slots,
+  with the rows sorted by slot and per-slot offsets, so no weight is copied on the device (transformers' grouped_mm
+  path does the same over its parameters);
+- *grouped over the group* (CPU): one ``grouped_mm`` per projection over the group's weights, gathered from the
+  slots (a view when they are consecutive), with per-expert offsets: on the CPU that is one matmul per expert over
+  exactly its rows, which is what transformers' default experts (``grouped_mm``) compute there, bit for bit;
+- *bucketed* (CUDA where grouped matmuls cannot run): the group's experts bucketed by row count, one ``bmm`` per
+  projection and bucket over their gathered weights.
+
+No path pads an expert's rows to a busier expert's count: a matmul's row can round differently in a taller matrix
+(in bf16 and fp16, and in fp32 on the CPU), so padding would make the result depend on which experts share a group,
+that is on what the slot cache held, and a prompt's forward would not give plain ``generate()``'s logits.
 
 The result does not depend on which experts were resident: every (token, k) contribution is written to its own row
 and the k rows of a token are summed in a fixed order at the end, as transformers' batched path does.
@@ -24,8 +31,10 @@ import warnings
 
 import numpy as np
 import torch
+from torch.torch_version import TorchVersion
 
 from ..seam import experts as hf_experts
+from .cache import Group
 from ..transfer import to_host
 
 ATTR = "_specfit"  # attribute on each patched experts module, pointing to its LayerRuntime
@@ -45,38 +54,47 @@ class LayerRuntime:
         flat = to_host(top_k_index.reshape(-1))[0]  # [T*k] the one planned host sync per layer
         rows = rows_by_expert(flat)  # expert -> its (token, k) rows, on the host: no device bincount
         needed = sorted(rows)
-        if rt.untracked:
-            groups, weights = [("untracked", needed, None)], [self._untracked(needed)]
-            ready = iter([None])
+        fetch = None if rt.untracked else self.cache.start(needed, rt.forward_counters)
+        groups = [("untracked", needed, None)] if fetch is None else fetch.groups
+        grouped = rt.grouped_experts and fetch is not None
+        gathered = gathered_path(hidden_states.device)
+        plans = [plan_group(rows, top_k, experts, slots, SLOTS if grouped and slots is not None else gathered,
+                            self.cache.num_slots) for kind, experts, slots in groups]  # per group: its plans
+        if fetch is None:  # the measurement's own buffer, its experts in plan order: each plan's is a slice of it
+            ready = iter([Group("untracked", needed, None, self._untracked([e for p in plans[0] for e in p.experts]))])
         else:
-            fetch = self.cache.start(needed, rt.forward_counters)
-            groups, weights, ready = fetch.groups, None, self.cache.ready(fetch)
-        grouped = rt.grouped_experts and weights is None
-        plans = [plan_group(rows, top_k, len(flat), experts, slots, grouped and slots is not None,
-                            self.cache.num_slots) for kind, experts, slots in groups]
-        # every index of the layer in one host -> device transfer: rows to read, rows to write, slots (or offsets)
-        index = rt.staging.to_device(*[a for p in plans for a in p.arrays()])
-        index = [index] if isinstance(index, torch.Tensor) else list(index)
+            ready = self.cache.ready(fetch)
+        # every index of the layer in one host -> device transfer: rows to read and write, slots, offsets
+        index = rt.staging.to_device(*[a for group in plans for p in group for a in p.arrays()])
+        index = iter([index] if isinstance(index, torch.Tensor) else index)
         hidden = hidden_states.shape[-1]
-        out = hidden_states.new_empty(num_tokens * top_k + 1, hidden)  # [T*k + 1, H]: the last row takes padding
-        for g, ((kind, experts, slots), plan) in enumerate(zip(groups, plans)):
+        out = hidden_states.new_empty(num_tokens * top_k, hidden)  # [T*k, H]: one row per (token, k)
+        for group_plans in plans:
             group = next(ready)
-            take, dest, extra = index[3 * g: 3 * g + 3]
-            x = hidden_states.index_select(0, take)  # [rows, H]
-            if plan.offsets is not None:  # grouped over every slot: no weight moves
-                parts = rt.store.layout.split_batch(self.cache.slots)
-                y = hf_experts.experts_forward_grouped(module, x, parts[0], parts[1], extra.to(torch.int32))
-            else:
-                w = weights[0] if weights is not None else group.weights if group.weights is not None else \
-                    self.cache.gather(slots, extra)  # [n, numel]
-                parts = rt.store.compute_parts(w)  # in the compute dtype (FP8 rows dequantized); the math: hf_experts
-                y = hf_experts.experts_forward_batched(module, x.view(len(experts), plan.width, -1), *parts)
-            out.index_copy_(0, dest, y.reshape(-1, hidden))
+            first = 0  # where the plan's experts start in a group's own buffer (streamed, untracked)
+            for plan in group_plans:
+                take, dest, slots, offsets = next(index), next(index), next(index), next(index)
+                x = hidden_states.index_select(0, take)  # [rows, H]
+                if plan.how == SLOTS:  # no weight moves
+                    parts = rt.store.layout.split_batch(self.cache.slots)
+                    y = hf_experts.experts_forward_grouped(module, x, parts[0], parts[1], offsets.to(torch.int32))
+                else:
+                    n = len(plan.experts)
+                    w = self.cache.gather(plan.slots, slots) if group.weights is None else \
+                        group.weights[first:first + n]  # [n, numel]
+                    first += n
+                    parts = rt.store.compute_parts(w)  # in the compute dtype (FP8 rows dequantized); math: hf_experts
+                    if plan.how == OWN:
+                        y = hf_experts.experts_forward_grouped(module, x, *parts[:2], offsets.to(torch.int32),
+                                                               *parts[2:])
+                    else:
+                        y = hf_experts.experts_forward_batched(module, x.view(n, plan.width, -1), *parts)
+                out.index_copy_(0, dest, y.reshape(-1, hidden))
         for _ in ready:  # the last group's waits are done; close the generator (marks the scratch ring free)
             pass
         if rows_out is not None:
-            rows_out.append(out[:-1])
-        return combine(out[:-1], top_k_weights)
+            rows_out.append(out)
+        return combine(out, top_k_weights)
 
     def forward_rows(self, module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         """[T*k, H]: each (token, k)'s expert output, unweighted (``forward`` without the final sum)."""
@@ -88,23 +106,23 @@ class LayerRuntime:
                    grad_rows: torch.Tensor) -> torch.Tensor:
         """Backward of the expert rows with respect to ``hidden_states`` [T, H]: ``grad_rows`` [T*k, H] is the
         gradient of each (token, k)'s expert output. Every needed expert is read again from the host store (its
-        true values, whatever the slots hold now) and recomputed with autograd; no slot, counter or emulated link
-        is touched. The experts' own weights get no gradient (they are frozen while offloaded)."""
+        true values, whatever the slots hold now) and recomputed with autograd, bucket by row count (no padding);
+        no slot, counter or emulated link is touched. The experts' own weights get no gradient (they are frozen
+        while offloaded)."""
         top_k = top_k_index.shape[1]
-        flat = to_host(top_k_index.reshape(-1))[0]  # [T*k]
-        rows = rows_by_expert(flat)
-        needed = sorted(rows)
-        plan = plan_group(rows, top_k, len(flat), needed, None, False, self.cache.num_slots)
+        rows = rows_by_expert(to_host(top_k_index.reshape(-1))[0])  # [T*k] -> expert: its rows
         device = hidden_states.device
-        take = torch.as_tensor(plan.take, device=device)
-        dest = torch.as_tensor(plan.dest, device=device)
-        padded = torch.cat([grad_rows, grad_rows.new_zeros(1, grad_rows.shape[1])])  # [T*k + 1, H]
-        parts = self.runtime.store.compute_parts(self._untracked(needed))  # [n, ...] in the compute dtype
-        with torch.enable_grad():
-            x = hidden_states.detach().index_select(0, take).requires_grad_()  # [n * width, H]
-            y = hf_experts.experts_forward_batched(module, x.view(len(needed), plan.width, -1), *parts)
-            (grad_x,) = torch.autograd.grad(y.reshape(-1, y.shape[-1]), x, padded.index_select(0, dest))
-        return torch.zeros_like(hidden_states).index_add_(0, take, grad_x.to(hidden_states.dtype))
+        grad = torch.zeros_like(hidden_states)  # [T, H]
+        for plan in plan_group(rows, top_k, sorted(rows), None, BUCKETS, self.cache.num_slots):
+            take = torch.as_tensor(plan.take, device=device)
+            dest = torch.as_tensor(plan.dest, device=device)
+            parts = self.runtime.store.compute_parts(self._untracked(plan.experts))  # [n, ...] compute dtype
+            with torch.enable_grad():
+                x = hidden_states.detach().index_select(0, take).requires_grad_()  # [n * width, H]
+                y = hf_experts.experts_forward_batched(module, x.view(len(plan.experts), plan.width, -1), *parts)
+                (grad_x,) = torch.autograd.grad(y.reshape(-1, y.shape[-1]), x, grad_rows.index_select(0, dest))
+            grad.index_add_(0, take, grad_x.to(hidden_states.dtype))
+        return grad
 
     def _untracked(self, needed: list[int]) -> torch.Tensor:
         """The needed experts' weights [n, numel] straight from the arena, for the route oracle's measurement
@@ -118,6 +136,9 @@ class LayerRuntime:
         for i, e in enumerate(needed):
             buf[i].copy_(arena[e], non_blocking=True)
         return buf
+
+
+SLOTS, OWN, BUCKETS = "slots", "own", "buckets"  # how a group's experts are computed (see the module's docstring)
 
 
 def combine(rows: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -159,53 +180,73 @@ class TrainableExperts(torch.autograd.Function):
 
 
 class GroupPlan:
-    """Host-side indices of one group: ``take`` (token rows read, padded), ``dest`` ((token, k) rows written; padding
-    to the dummy last row), and the slots to gather or, grouped, per-slot row offsets."""
+    """Host-side indices of one matmul call of a group: its ``experts``, ``take`` (token rows read), ``dest``
+    ((token, k) rows written), the ``slots`` to gather (None: grouped over every slot, or the group's own buffer
+    holds the weights), ``offsets`` (grouped: each slot's, or each expert's, end row) and ``width`` (bucketed: rows
+    per expert)."""
 
-    __slots__ = ("take", "dest", "slots", "offsets", "width")
+    __slots__ = ("how", "experts", "take", "dest", "slots", "offsets", "width")
 
-    def __init__(self, take, dest, slots, offsets, width):
-        self.take, self.dest, self.slots, self.offsets, self.width = take, dest, slots, offsets, width
+    def __init__(self, how, experts, take, dest, slots=None, offsets=None, width=0):
+        self.how, self.experts, self.take, self.dest = how, experts, take, dest
+        self.slots, self.offsets, self.width = slots, offsets, width
 
     def arrays(self) -> tuple:
-        return self.take, self.dest, self.offsets if self.offsets is not None else (self.slots or [])
+        return self.take, self.dest, self.slots or [], self.offsets or []
 
 
-def plan_group(rows: dict[int, list[int]], top_k: int, pad: int, experts: list[int],
-               slots: list[int] | None, grouped: bool, num_slots: int) -> GroupPlan:
-    """Indices for one group. ``rows[e]``: the (token, k) rows routed to expert e (``rows_by_expert``);
-    ``pad``: T*k, the dummy row padding is written to.
+# torch's CPU grouped matmul takes any dtype and alignment from 2.11 (2.9-2.10 want 16-byte aligned operands, 2.8 and
+# earlier have no CPU kernel: transformers' experts then loop one matmul per expert, which BUCKETS matches in fp32)
+_CPU_GROUPED_MM = TorchVersion(torch.__version__) >= (2, 11)
 
-    ``slots``: each expert's slot (None: the weights are in a buffer of their own, in ``experts`` order).
-    Gathered: expert j's rows are ``take[j*C:(j+1)*C]``, padded to the group's busiest count C with its last row
-    repeated; their outputs go to ``dest`` (padding rows to row T*k, dropped).
-    Grouped: rows sorted by slot, unpadded; ``offsets[s]`` ends slot s's rows.
 
-    >>> flat = np.array([3, 1, 1, 0])   # token 0 -> experts 3, 1; token 1 -> experts 1, 0 (top_k = 2)
-    >>> rows = rows_by_expert(flat)
-    >>> p = plan_group(rows, 2, 4, [1, 3], [2, 0], False, 4)
-    >>> p.take, p.dest, p.width
-    ([0, 1, 0, 0], [1, 2, 0, 4], 2)
-    >>> p = plan_group(rows, 2, 4, [1, 3], [2, 0], True, 4)
+def gathered_path(device: torch.device) -> str:
+    """How a group with gathered weights computes: ``OWN`` on the CPU (there ``grouped_mm`` is one matmul per group in
+    any dtype, transformers' own computation), else ``BUCKETS`` (CUDA's grouped matmuls take bf16 only)."""
+    return OWN if device.type == "cpu" and _CPU_GROUPED_MM else BUCKETS
+
+
+def plan_group(rows: dict[int, list[int]], top_k: int, experts: list[int], slots: list[int] | None, how: str,
+               num_slots: int) -> list[GroupPlan]:
+    """The matmul calls of one group. ``rows[e]``: the (token, k) rows routed to expert e (``rows_by_expert``);
+    ``slots``: each expert's slot (None: the group's own buffer holds the weights, in the order of the plans'
+    experts). Every expert's rows stay unpadded and in order, so each expert multiplies exactly its own rows.
+
+    - ``SLOTS``: one plan, rows sorted by slot, ``offsets[s]`` ends slot s's rows (every slot of the layer).
+    - ``OWN``: one plan over the group's experts, ``offsets[j]`` ends expert j's rows.
+    - ``BUCKETS``: one plan per row count C (ascending), expert j of a bucket reading ``take[j*C:(j+1)*C]``.
+
+    >>> rows = rows_by_expert(np.array([3, 1, 1, 0]))   # token 0 -> experts 3, 1; token 1 -> experts 1, 0 (top-2)
+    >>> p, = plan_group(rows, 2, [1, 3], [2, 0], SLOTS, 4)
     >>> p.take, p.dest, p.offsets
     ([0, 0, 1], [0, 1, 2], [1, 1, 3, 3])
+    >>> p, = plan_group(rows, 2, [1, 3, 0], [2, 0, 1], OWN, 4)
+    >>> p.take, p.dest, p.slots, p.offsets
+    ([0, 1, 0, 1], [1, 2, 0, 3], [2, 0, 1], [2, 3, 4])
+    >>> [(p.experts, p.take, p.dest, p.slots, p.width) for p in plan_group(rows, 2, [1, 3, 0], [2, 0, 1], BUCKETS, 4)]
+    [([3, 0], [0, 1], [0, 3], [0, 1], 1), ([1], [0, 1], [1, 2], [2], 2)]
     """
-    if grouped:
-        by_slot = sorted(zip(slots, experts))
+    if how == SLOTS:
         take, dest, per_slot = [], [], [0] * num_slots
-        for slot, e in by_slot:
-            r = rows[e]
-            take += [i // top_k for i in r]
-            dest += r
-            per_slot[slot] = len(r)
-        return GroupPlan(take, dest, None, np.cumsum(per_slot).tolist(), 0)
-    width = max(len(rows[e]) for e in experts)
-    take, dest = [], []
+        for slot, e in sorted(zip(slots, experts)):
+            dest += rows[e]
+            per_slot[slot] = len(rows[e])
+        return [GroupPlan(how, experts, [i // top_k for i in dest], dest, offsets=np.cumsum(per_slot).tolist())]
+    if how == OWN:
+        dest = [i for e in experts for i in rows[e]]
+        return [GroupPlan(how, experts, [i // top_k for i in dest], dest, slots,
+                          np.cumsum([len(rows[e]) for e in experts]).tolist())]
+    slot_of = dict(zip(experts, slots)) if slots is not None else None
+    buckets: dict[int, list[int]] = {}
     for e in experts:
-        r = rows[e]
-        take += [i // top_k for i in r] + [r[-1] // top_k] * (width - len(r))
-        dest += r + [pad] * (width - len(r))
-    return GroupPlan(take, dest, slots, None, width)
+        buckets.setdefault(len(rows[e]), []).append(e)
+    plans = []
+    for width in sorted(buckets):
+        members = buckets[width]
+        dest = [i for e in members for i in rows[e]]
+        plans.append(GroupPlan(how, members, [i // top_k for i in dest], dest,
+                               None if slot_of is None else [slot_of[e] for e in members], width=width))
+    return plans
 
 
 def rows_by_expert(flat: np.ndarray) -> dict[int, list[int]]:

@@ -102,8 +102,21 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> tor
 
 
 def experts_forward_grouped(experts: nn.Module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                            offs: torch.Tensor) -> torch.Tensor:
-    """Rows of every slot at once: x [M, H] sorted by slot, ``offs`` (int32 [N]) each slot's end row; gate_up
-    [N, 2I, H] and down [N, H, I] are views over all N slots (no copy) -> [M, H], with the family's gating."""
+                            offs: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                            down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of every group at once: x [M, H] sorted by group, ``offs`` (int32 [N]) each group's end row; gate_up
+    [N, 2I, H] and down [N, H, I] (views: no copy), biases [N, 2I] / [N, H] -> [M, H], with the family's gating.
+    Biases are added after each matmul, as transformers' grouped experts add them."""
     h = grouped_mm(x, gate_up.transpose(1, 2), offs)  # [M, 2I]
-    return grouped_mm(expert_activation(experts, h), down.transpose(1, 2), offs)  # [M, H]
+    if gate_up_bias is not None:
+        h = h + _rows_of_groups(gate_up_bias, offs, x.shape[0])
+    y = grouped_mm(expert_activation(experts, h), down.transpose(1, 2), offs)  # [M, H]
+    if down_bias is not None:
+        y = y + _rows_of_groups(down_bias, offs, x.shape[0])
+    return y
+
+
+def _rows_of_groups(values: torch.Tensor, offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """values [N, D] per group -> [rows, D], each group's row repeated over its rows (``offs``: group ends)."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))  # [N]
+    return values.repeat_interleave(counts, dim=0, output_size=rows)
