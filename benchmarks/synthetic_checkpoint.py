@@ -41,6 +41,12 @@ PRESETS = {
                    num_key_value_heads=4, head_dim=64, num_experts=128, num_experts_per_tok=8,
                    moe_intermediate_size=384, intermediate_size=3072, max_position_embeddings=4096,
                    bos_token_id=1, eos_token_id=2, draft_vocab_size=8000),
+    # ~28 MB: the real routing at a width where an experts output's rounding reaches the residual stream, so another
+    # accumulation order flips near-tied routes as at real shapes (the decode gate's tests)
+    "small": dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32,
+                  intermediate_size=512, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                  draft_vocab_size=256),
     # ~7 MB: the real routing at toy width, for tests and the fast offload benchmark
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32,

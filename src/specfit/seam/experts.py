@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 __all__ = ["EXPERTS_IMPL", "register_experts_implementation", "experts_implementation", "set_experts_implementation",
-           "expert_activation", "experts_forward_batched", "grouped_mm", "experts_forward_grouped"]
+           "expert_activation", "experts_forward_batched", "grouped_mm", "experts_forward_grouped",
+           "transformers_experts_forward"]
 
 EXPERTS_IMPL = "specfit"
 
@@ -72,3 +75,15 @@ def experts_forward_grouped(experts: nn.Module, x: torch.Tensor, gate_up: torch.
     [N, 2I, H] and down [N, H, I] are views over all N slots (no copy) -> [M, H], with the family's gating."""
     h = grouped_mm(x, gate_up.transpose(1, 2), offs)  # [M, 2I]
     return grouped_mm(expert_activation(experts, h), down.transpose(1, 2), offs)  # [M, H]
+
+
+def transformers_experts_forward(experts: nn.Module, params: dict, hidden_states: torch.Tensor,
+                                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' own forward of ``experts``'s class (the eager per-expert loop its experts interface wraps) with
+    ``params`` (the module's own parameter names -> tensors, e.g. ``ExpertStore.checkpoint_tensors``) in place of
+    the module's parameters: a reference that shares no code with SpecFit's experts. ``experts`` is left as it was.
+    hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
+    forward = getattr(type(experts).forward, "__wrapped__", type(experts).forward)
+    view = copy.copy(experts)  # its own attribute dict; the same submodules (activation) and config
+    view.__dict__["_parameters"] = {name: nn.Parameter(t, requires_grad=False) for name, t in params.items()}
+    return forward(view, hidden_states, top_k_index, top_k_weights)
