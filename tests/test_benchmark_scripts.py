@@ -307,3 +307,23 @@ def test_gpu_check_calibrate_fails_on_a_poor_fit(tmp_path):
               PYTHON=fake_python(tmp_path, 3), WORK=str(tmp_path / "work"), **CPU_PART2)
     assert "[env] PASS" in res.stdout and "[checkpoint] PASS" in res.stdout, res.stdout[-3000:]
     assert "[calibrate-cached] FAIL (exit 3)" in res.stdout and res.returncode != 0
+
+
+def test_host_expert_check_runs_on_a_cpu(tmp_path, capsys):
+    """Issue 36, 8: the host-expert stage's script at toy shapes: bf16 and FP8 (dequantized per use) experts timed at
+    1, 8 and 32 tokens from a worker thread; no copy to compare without CUDA."""
+    import host_expert_check
+
+    out = tmp_path / "host.json"
+    assert host_expert_check.main(["--hidden", "64", "--intermediate", "32", "--block", "16", "--experts", "2",
+                                   "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for name in ("bf16", "fp8"):
+        assert re.search(rf"RESULT host experts {name}: 1 token \d+\.\d{{3}} ms, 8 tokens \d+\.\d{{3}} ms, 32 tokens "
+                         rf"\d+\.\d{{3}} ms per expert \(1 CPU threads; [\d,]+ bytes read", text), text
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["stored"], r["expert_bytes"]) for r in rows] == [("bf16", 3 * 64 * 32 * 2),
+                                                                 ("fp8", 3 * 64 * 32 + 4 * (4 * 4 + 4 * 2))]
+    assert all(r["copy_ms"] is None and min(r["host_ms"].values()) > 0 for r in rows)
+    with pytest.raises(SystemExit, match="--formats"):
+        host_expert_check.main(["--formats", "int4"])
