@@ -53,21 +53,22 @@
 # Stages print figures as soon as they have them (decode: a row per mode; RESULT lines), so a run cut short by its
 # time limit still yields numbers.
 #
-# Environment: LAYERS (6), SLOTS (48), WORK (/tmp/specfit-gpu-check), STARTUP seconds (150: a fresh machine's start,
+# Environment: LAYERS (6), SLOTS (48), WORK (/tmp/specfit-gpu-check), FP8_BLOCK (128; the tiny preset: 16), STARTUP seconds (150: a fresh machine's start,
 # "a minute or more" by the device README, plus the working tree's transfer and the close), COMMAND_LIMIT (600: one
 # device call), DEVICE_LIMIT (900: the session's device seconds), PYTHON (python3), KEEP (0), FP8 (0), CAL_ARGS (extra
 # calibrate arguments), DECODE_PROMPTS (1), DECODE_TOKENS (16), REQUIRED (the modules the env stage requires),
-# MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over PCIe 4.0 reached 23.1 GB/s). To exercise
-# the plumbing on a CPU machine (one thread: several threads on a busy 2-core machine made tiny decodes ~70x
-# slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12 DECODE_PROMPTS=1 DECODE_TOKENS=8
-# bash benchmarks/gpu_check.sh --part 2 DIR
+# MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over PCIe 4.0 reached 23.1 GB/s), LIMIT_SCALE
+# (stage limits x this; 2 with ALLOW_CPU=1). To exercise the plumbing on a CPU machine (one thread: several threads on
+# a busy 2-core machine made tiny decodes ~70x slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12
+# DECODE_PROMPTS=1 DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --part 2 DIR (FP8=1 FP8_BLOCK=16: the fp8 stage too)
 set -uo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
-ALL_STAGES="env pytest bandwidth host-experts checkpoint calibrate decode"
-PART1="env pytest bandwidth host-experts" PART2="env checkpoint calibrate decode"
+ALL_STAGES="env pytest bandwidth host-experts checkpoint calibrate decode fp8"
+PART1="env pytest bandwidth host-experts" PART2="env checkpoint calibrate decode fp8"
 DEFAULT_STAGES="env,pytest,bandwidth,host-experts,checkpoint,calibrate,decode"
+[ "${FP8:-0}" = 1 ] && DEFAULT_STAGES+=",fp8"
 OUTDIR="" DRY=0 STAGES="$DEFAULT_STAGES" PART=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -114,12 +115,16 @@ CAL_ARGS=${CAL_ARGS:-}
 DECODE_PROMPTS=${DECODE_PROMPTS:-1}
 DECODE_TOKENS=${DECODE_TOKENS:-16}
 export MIN_H2D_GBPS=${MIN_H2D_GBPS:-20}
+FP8_BLOCK=${FP8_BLOCK:-128}
 SITE="$WORK/site"
 # seconds per stage. pytest: the CUDA tests took 40-80 s by review 4's estimate; calibrate: load and pin 6 real
 # layers, ~200 probe cycles, the fit, bootstrap (30-45 s estimated on the device; no plot)
 declare -A BUDGET=([env]=30 [pytest]=100 [bandwidth]=25 [host-experts]=30 [checkpoint]=45 [calibrate]=70 [decode]=60
-                   [fp8]=70)
+                   [fp8]=90)
 RESERVE=10  # seconds kept for cleanup and the summary
+# a CPU plumbing run (ALLOW_CPU=1) on a shared machine is not the device: its stages get LIMIT_SCALE x their limits
+# (default 2 there, 1 elsewhere); the plan (--dry-run) is always the device's
+LIMIT_SCALE=${LIMIT_SCALE:-$([ "${ALLOW_CPU:-0}" = 1 ] && echo 2 || echo 1)}
 
 minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
 
@@ -132,7 +137,7 @@ estimate() {  # stages... -> seconds: the limits of those wanted (env always) pl
     done
     echo "$total"
 }
-TOTAL_BUDGET=${TOTAL_BUDGET:-$(estimate $PARTS)}
+TOTAL_BUDGET=${TOTAL_BUDGET:-$(($(estimate $PARTS) * LIMIT_SCALE))}
 NAMES=() RESULTS=() SECONDS_USED=() WHY=()
 
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -152,7 +157,7 @@ why() {  # stage -> the first FAIL line its output printed, else its last line
 
 # run_stage NAME BUDGET CMD...: CMD under `timeout`, capped by what is left of TOTAL_BUDGET
 run_stage() {
-    local name=$1 budget=$2; shift 2
+    local name=$1 budget=$(($2 * LIMIT_SCALE)); shift 2
     local left=$((DEADLINE - $(date +%s) - RESERVE))
     local limit=$((budget < left ? budget : left))
     if [ "$limit" -lt 5 ]; then record "$name" SKIPPED 0 "the call's budget was spent"; return 1; fi
@@ -387,6 +392,21 @@ decode_cmd() {  # -> CMD
     if [ "${ALLOW_CPU:-0}" != 1 ]; then CMD+=(--require-pinned --require-grouped); fi
 }
 
+stage_fp8() {  # the synthetic checkpoint's FP8 twin (same random weights, quantized), decoded with the gate
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" benchmarks/synthetic_checkpoint.py "$WORK/ckpt-fp8" --preset "$PRESET" \
+        --layers "$LAYERS" --fp8-block "$FP8_BLOCK" --workers "$(nproc)" || return 1
+    fp8_cmd
+    "${CMD[@]}"
+}
+
+fp8_cmd() {  # -> CMD: AR and SpecFit on the FP8 checkpoint (gathered: FP8 rows are dequantized per use)
+    CMD=("$PY" benchmarks/decode_check.py --model "$WORK/ckpt-fp8" --drafter "$WORK/drafter" --slots "$SLOTS"
+         --modes ar,specfit --prompts 1 --prompt-len 32 --new-tokens "$DECODE_TOKENS" --dtype bfloat16
+         --json "$OUTDIR/decode-fp8.json" --reference)
+    if [ -f "$OUTDIR/profile-cached.json" ] || [ "$DRY" = 1 ]; then CMD+=(--profile "$OUTDIR/profile-cached.json"); fi
+    if [ "${ALLOW_CPU:-0}" != 1 ]; then CMD+=(--require-pinned); fi
+}
+
 print_fit() {  # the calibrated profile's figures and its verdict (a figure, not the stage's status)
     "$PY" - "$OUTDIR/profile-cached.json" <<'EOF'
 import json, sys
@@ -472,6 +492,7 @@ plan() {  # the dry run's plan: seconds per stage, per part, for one call, and t
             checkpoint) echo "  checkpoint ${BUDGET[checkpoint]}: benchmarks/synthetic_checkpoint.py $WORK/ckpt --preset $PRESET --layers $LAYERS --drafter-out $WORK/drafter" ;;
             calibrate) calibrate_cmd; echo "  calibrate ${BUDGET[calibrate]}: ${CMD[*]}" ;;
             decode) decode_cmd; echo "  decode ${BUDGET[decode]}: ${CMD[*]}" ;;
+            fp8) fp8_cmd; echo "  fp8 ${BUDGET[fp8]}: benchmarks/synthetic_checkpoint.py $WORK/ckpt-fp8 --preset $PRESET --layers $LAYERS --fp8-block $FP8_BLOCK; then ${CMD[*]}" ;;
         esac
     done
     return $over
@@ -480,7 +501,7 @@ plan() {  # the dry run's plan: seconds per stage, per part, for one call, and t
 main() {
     echo "SpecFit GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), host ${HOSTNAME:-$(uname -n)}, repo $(pwd)"
     echo "settings: PRESET=$PRESET LAYERS=$LAYERS SLOTS=$SLOTS WORK=$WORK part=${PART:-both} TOTAL_BUDGET=${TOTAL_BUDGET}s" \
-         "stages=$STAGES log=$LOG"
+         "stages=$STAGES log=$LOG${LIMIT_SCALE:+ LIMIT_SCALE=$LIMIT_SCALE}"
     if [ "$DRY" = 1 ]; then plan; return; fi
     mkdir -p "$WORK" && touch "$WORK/.specfit-gpu-check"
     if stage_env 2>&1 | tee "$TMPD/env.out"; [ "${PIPESTATUS[0]}" -eq 0 ]; then
@@ -523,6 +544,14 @@ main() {
             print_decode | tee -a "$TMPD/summary.out"  # the modes done so far, even after a timeout
         else
             record decode "SKIPPED" 0 "no checkpoint"
+        fi
+    fi
+    if wanted fp8; then  # optional: FP8 experts dequantized on the device at the real shapes
+        if [ $have_ckpt = 1 ]; then
+            export -f stage_fp8 fp8_cmd && export PY LAYERS WORK PRESET FP8_BLOCK SLOTS DECODE_TOKENS OUTDIR DRY
+            run_stage fp8 "${BUDGET[fp8]}" bash -c stage_fp8
+        else
+            record fp8 "SKIPPED" 0 "no checkpoint (its drafter)"
         fi
     fi
 }

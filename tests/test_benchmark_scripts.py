@@ -351,3 +351,33 @@ def test_host_expert_check_runs_on_a_cpu(tmp_path, capsys):
     assert all(r["copy_ms"] is None and min(r["host_ms"].values()) > 0 for r in rows)
     with pytest.raises(SystemExit, match="--formats"):
         host_expert_check.main(["--formats", "int4"])
+
+
+def test_fp8_synthetic_checkpoint_loads_as_transformers_loads_it(tmp_path):
+    """The optional fp8 stage's checkpoint: the same random weights, every projection block-wise e4m3 with float32
+    scales (Qwen3-30B-A3B-FP8's layout), router, norms, embedding and head in bf16; SpecFit keeps the experts as
+    stored and computes what transformers' own (dequantizing, on a CPU) load computes."""
+    summary = sc.write_checkpoint(tmp_path, "tiny", layers=2, shard_size="1MB", workers=1, fp8_block=16)
+    assert summary["config"]["quantization_config"]["weight_block_size"] == [16, 16]
+    with safe_open(str(tmp_path / json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"][
+            "model.layers.1.mlp.experts.7.up_proj.weight_scale_inv"]), "pt") as f:
+        assert f.get_tensor("model.layers.1.mlp.experts.7.up_proj.weight_scale_inv").shape == (2, 4)
+        assert f.get_tensor("model.layers.1.mlp.experts.7.up_proj.weight").dtype == torch.float8_e4m3fn
+    ids = torch.randint(3, 512, (1, 7), generator=torch.Generator().manual_seed(0))
+    model = specfit.from_pretrained(tmp_path, cache_slots=12, dtype=torch.float32, device="cpu")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert model.specfit.store.format.name == "fp8" and model.specfit.store.expert_bytes == 3 * 32 * 64 + 4 * 24
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="does not tile"):
+        sc.stored_tensors("model.layers.0.self_attn.q_proj.weight", (64, 64), 48)
+
+
+def test_gpu_check_fp8_stage_is_the_next_runs_unless_it_fits(tmp_path):
+    """Issue 39, 4: the FP8 decode at real shapes is optional (FP8=1); with it the plan leaves no room for a rerun
+    after a fresh start, and the dry run says so."""
+    dry = run(GPU_CHECK + ["--dry-run", str(tmp_path)], FP8="1")
+    assert dry.returncode == 1 and "part 2 (env checkpoint calibrate decode fp8): 305s" in dry.stdout
+    assert "OVER: leave a stage to the next run" in dry.stdout and "--fp8-block 128" in dry.stdout
+    alone = run(GPU_CHECK + ["--dry-run", "--part", "2", "--stages", "env,checkpoint,fp8", str(tmp_path)], FP8="1")
+    assert alone.returncode == 0 and "this call (part 2): 175s of the 600s" in alone.stdout
