@@ -130,6 +130,14 @@ minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
 
 wanted() { [[ ",$STAGES," == *",$1,"* ]] && [[ " $PARTS " == *" $1 "* ]]; }
 
+chosen() {  # stages... -> those of them this run takes (env always)
+    local s out=()
+    for s in "$@"; do
+        if [ "$s" = env ] || [[ ",$STAGES," == *",$s,"* ]]; then out+=("$s"); fi
+    done
+    echo "${out[*]}"
+}
+
 estimate() {  # stages... -> seconds: the limits of those wanted (env always) plus the reserve
     local total=$RESERVE s
     for s in "$@"; do
@@ -471,7 +479,7 @@ plan() {  # the dry run's plan: seconds per stage, per part, for one call, and t
     warm=$((call + longer)) cold=$((call + longer + STARTUP))
     echo "plan (seconds; each part's and each call's estimate is the sum of its stage limits plus ${RESERVE}s of reserve;" \
          "a fresh machine's start-up priced at ${STARTUP}s):"
-    echo "  part 1 ($PART1): ${p1}s; part 2 ($PART2): ${p2}s"
+    echo "  part 1 ($(chosen $PART1)): ${p1}s; part 2 ($(chosen $PART2)): ${p2}s"
     echo "  this call (part ${PART:-1+2}): ${one}s of the ${COMMAND_LIMIT}s a command may run:" \
          "$([ "$one" -le "$COMMAND_LIMIT" ] && echo fits || echo OVER); with start-up ${call}s" \
          "($(minutes "$call") device-minutes); run it with timeout_s $COMMAND_LIMIT"
