@@ -275,8 +275,9 @@ def test_cycle_profile_parts_add_up(tmp_path):
 
 def fake_python(tmp_path):
     """A PYTHON for gpu_check.sh that runs the real interpreter, except ``-m specfit.cli calibrate``, which writes a
-    poor fit's profile to --out and exits 0 only with --force (calibrate's exit status for a poor fit is 3), and
-    ``benchmarks/decode_check.py``, which fails as its gate does, naming the profile it was handed."""
+    poor fit's profile to --out and exits 0 only with --force (calibrate's exit status for a poor fit is 3),
+    ``benchmarks/decode_check.py``, which fails as its gate does, naming the profile it was handed, and
+    ``benchmarks/synthetic_checkpoint.py``, which writes nothing (nothing reads the checkpoint)."""
     profile = CostModel(intercepts=(0.01,) * 8, beta=1e-4, copy_overhead=2e-4, link_share=1.0,
                         meta=dict(quality=dict(verdict="poor", heldout_r2=0.12, reasons=["held-out R^2 0.120 < 0.5"])))
     profile.save(tmp_path / "poor.json")
@@ -286,6 +287,9 @@ if [ "$1 $2 $3" = "-m specfit.cli calibrate" ]; then
     out=$(echo " $* " | sed -E 's/.* --out ([^ ]+) .*/\\1/')
     case " $* " in *" --force "*) cp {tmp_path / "poor.json"} "$out"; exit 0 ;; esac
     exit 3
+fi
+if [ "$1" = benchmarks/synthetic_checkpoint.py ]; then
+    mkdir -p "$2" && exit 0  # the calibrate and decode below are fakes too: no checkpoint to write
 fi
 if [ "$1" = benchmarks/decode_check.py ]; then
     echo "handed: $(echo " $* " | sed -E 's/.* --profile ([^ ]+) .*/\\1/')"
