@@ -81,7 +81,8 @@ def reference(folder, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dequantize_matches_transformers_formula(dtype):
     """Bit for bit ``(q.float() * s).to(dtype)`` (transformers' Fp8Dequantize), with every finite e4m3 value and
-    scales over many magnitudes: the two-pass form without a float32 temporary rounds once, as the formula does."""
+    scales over many magnitudes: the two-pass form without a float32 temporary (CUDA's) rounds once, as the formula
+    does."""
     w = torch.randn(2, 16, 32) * torch.tensor([1e-4, 30.0])[:, None, None]
     q, s = (torch.stack(t) for t in zip(*(quantize(x, BLOCK) for x in w)))
     assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2, 2)
@@ -90,9 +91,10 @@ def test_dequantize_matches_transformers_formula(dtype):
     s = s * torch.exp(torch.randn(s.shape, generator=torch.Generator().manual_seed(0)) * 3)
     blocks = q.float().reshape(2, 2, 8, 2, 16) * s[:, :, None, :, None]
     want = blocks.reshape(2, 16, 32).to(dtype)
-    got = dequantize(q, s, dtype)
-    assert got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
-                                              want.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+    for two_pass in (False, True):  # the CPU's default, and CUDA's (run here too)
+        got = dequantize(q, s, dtype, two_pass=two_pass)
+        assert got.dtype == dtype and torch.equal(got.view(bits), want.view(bits)), two_pass
     q1, s1 = quantize(w[1], BLOCK)
     assert (dequantize(q1, s1, torch.float32) - w[1]).abs().max() < 0.07 * w[1].abs().max()
 
