@@ -25,19 +25,24 @@ tokens as AR (with random bf16 weights the logits are nearly flat, so a near-tie
 kernel can change a token; in fp32 greedy output must match). ``--require-pinned`` fails the run (exit 1) if any copy
 came from pageable host memory.
 
-``--reference`` is the correctness gate at real shapes, run first: the prefill logits and every step of a greedy
+``--reference`` is the correctness gate at real shapes (``decode_gate.py``), run first: the prefill and a greedy
 decode of the first prompt through the slot cache (from empty slots; grouped matmuls over the slots where the device
-runs them: ``--require-grouped`` fails the run otherwise) against an all-resident reference, the same model with every
-expert read straight from its host row (the route oracle's measurement path: no slots, no LRU, gathered ``bmm``),
-teacher-forced on the reference's greedy tokens: every MoE layer's experts output, the prefill logits and each step's
-logits. A gap is max |diff| over the reference row's standard deviation; the run fails (exit 1) if one is over
-``--reference-tol`` (0.25: bf16 rounding moves an experts output by a few hundredths of its spread, a wrong expert by
-about all of it; on the CPU both paths are bit-identical).
+runs them: ``--require-grouped`` fails the run otherwise) against an all-resident reference (every expert read
+straight from its host row: no slots, no LRU, gathered ``bmm``), the reference's routes replayed in the checked pass
+(the router's own disagreements counted apart): every MoE layer's experts output and every step's logits; the first
+MoE layer against transformers' own experts forward on the stored weights; then, after each mode's decode, its greedy
+output teacher-forced through the reference (a token that is not the reference's argmax fails where the margin is
+over ``--token-factor`` x the step's numeric gap). A gap is max |diff| over the reference row's standard deviation;
+the run fails (exit 1) if one is over ``--reference-tol`` (0.25: rounding moves an experts output by a few hundredths
+of its spread, a wrong expert, slot or routing weight by about all of it) or a token check fails.
+``--emulate-rounding`` (CPU studies) computes the checked passes' expert matmuls in a wider dtype, rounded once, as a
+GPU's kernels round differently from the reference's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -45,6 +50,9 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from decode_gate import (TOLERANCE, FACTOR, fresh_slots, other_rounding, reference_gap, reference_line,
+                         token_check, token_line)
 
 MODES = ("ar", "eagle3", "specfit")
 
@@ -73,95 +81,13 @@ def generate(model, mode: str, prompt: torch.Tensor, new_tokens: int):
     return out[0, prompt.shape[1]:].tolist(), model.specfit.stats.last_generate.copy()
 
 
-def fresh_slots(rt) -> None:
-    """Empty every slot and the emulated link's queue: the state of a freshly loaded model."""
-    rt.engine.drain()
-    rt.clear_cache()
-    if rt.engine.link is not None:
-        rt.engine.link.reset()
-
-
-def greedy_logits(model, prompt: torch.Tensor, new_tokens: int, tokens: list[int] | None = None):
-    """(prefill logits [P, vocab], greedy steps' logits [new_tokens, vocab], both float32; the tokens fed): greedy on
-    its own logits, or teacher-forced on ``tokens``."""
-    from transformers import DynamicCache
-
-    cache, rows, fed = DynamicCache(config=model.config), [], []
-    with torch.no_grad():
-        prefill = model(prompt, cache=cache, use_cache=True).logits[0].float()  # [P, vocab]
-        logits = prefill[-1]
-        for step in range(new_tokens):
-            fed.append(int(logits.argmax()) if tokens is None else tokens[step])
-            nxt = torch.tensor([[fed[-1]]], device=prompt.device)
-            logits = model(nxt, cache=cache, use_cache=True).logits[0, -1].float()  # [vocab]
-            rows.append(logits)
-    return prefill, torch.stack(rows), fed
-
-
-class ExpertOutputs:
-    """Records every MoE experts module's output [T, H] (float32), in call order, while active."""
-
-    def __init__(self, model):
-        from specfit.offload.experts import ATTR
-
-        self.modules = [m for m in model.modules() if hasattr(m, ATTR)]
-        self.outputs: list[torch.Tensor] = []
-        self.handles = []
-
-    def __enter__(self):
-        self.outputs.clear()
-        self.handles = [m.register_forward_hook(lambda _m, _a, out: self.outputs.append(out.detach().float()))
-                        for m in self.modules]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-
-
-def gaps(got: torch.Tensor, want: torch.Tensor) -> list[float]:
-    """Per row of [n, d]: max |got - want| over the standard deviation of ``want``'s row."""
-    return ((got - want).abs().amax(dim=1) / want.std(dim=1).clamp_min(1e-6)).tolist()
-
-
-def reference_gap(model, prompt: torch.Tensor, new_tokens: int) -> dict:
-    """The slot cache against the all-resident reference (see ``--reference``): every MoE layer's experts output
-    (each token row, every forward) and the logits of the prefill (every position) and of each greedy step. Gaps are
-    max |diff| over the reference row's standard deviation: a wrong expert moves its rows' experts output by about
-    their whole spread, bf16 rounding by a few hundredths (random weights give nearly flat logits, so the logits'
-    gap is a weak witness of a wrong expert; the experts outputs' gap is the strong one)."""
-    rt = model.specfit
-    record = ExpertOutputs(model)
-    with rt.measurement(), record:  # every expert from its host row: no slots
-        want_p, want, tokens = greedy_logits(model, prompt, new_tokens)
-    want_e = list(record.outputs)
-    fresh_slots(rt)
-    with record:
-        got_p, got, _ = greedy_logits(model, prompt, new_tokens, tokens)
-    got_e = list(record.outputs)
-    if len(got_e) != len(want_e) or not want_e:
-        raise RuntimeError(f"{len(got_e)} experts outputs through the slot cache, {len(want_e)} in the reference")
-    experts_gap = max(max(gaps(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]))) for a, b in zip(got_e, want_e))
-    steps = gaps(got, want)
-    prefill = max(gaps(got_p, want_p))
-    same = int((got.argmax(dim=1) == want.argmax(dim=1)).sum())
-    return dict(experts_gap=experts_gap, step_gaps=steps, prefill_gap=prefill, max_gap=max([experts_gap, prefill] + steps),
-                same_argmax=same, steps=new_tokens, layer_outputs=len(got_e), grouped=bool(rt.grouped_experts),
-                slots=rt.layers[0].cache.num_slots, experts=rt.num_experts)
-
-
-def reference_line(ref: dict, tol: float) -> str:
-    verdict = "pass" if ref["max_gap"] <= tol else "FAIL"
-    return (f"RESULT reference: {verdict}: slot cache ({ref['slots']} of {ref['experts']} slots, "
-            f"{'grouped' if ref['grouped'] else 'gathered'} experts) vs all-resident reference, gaps in standard "
-            f"deviations (tolerance {tol:g}): experts outputs {ref['experts_gap']:.4f} (worst of "
-            f"{ref['layer_outputs']} layer forwards), prefill logits {ref['prefill_gap']:.4f}, worst of "
-            f"{ref['steps']} greedy steps {max(ref['step_gaps']):.4f}; argmax equal at {ref['same_argmax']}/"
-            f"{ref['steps']}")
-
-
 def run(args, emit=None) -> dict:
     """Decode with every mode; ``emit(report)`` is called after loading and after each mode (partial reports)."""
+    with contextlib.ExitStack() as rounding:
+        return _run(args, emit, rounding)
+
+
+def _run(args, emit, rounding) -> dict:
     from specfit.stats import Counters
 
     if args.threads:
@@ -178,8 +104,11 @@ def run(args, emit=None) -> dict:
     report = dict(info=_info(args, rt, load_s, caught), results=results)
     if args.grouped:
         rt.grouped_experts = True  # CPU studies: the grouped path forced (the device check chooses it at enable)
+    if args.emulate_rounding:
+        rounding.enter_context(other_rounding(model))
     if args.reference:
         report["reference"] = reference_gap(model, prompts[0], args.new_tokens)
+        report["tokens"] = {}
         print(reference_line(report["reference"], args.reference_tol), flush=True)
     if emit is not None:
         emit(report)
@@ -197,6 +126,9 @@ def run(args, emit=None) -> dict:
                 total += c
         caught += [f"{mode}: {x.category.__name__}: {x.message}" for x in w if "synchroniz" not in str(x.message)]
         syncs, counted = count_syncs(model, mode, prompts[0], args.new_tokens)
+        if args.reference:  # the mode's own output (trees, KV compaction, acceptance) against the reference
+            report["tokens"][mode] = token_check(model, prompts[0], outputs[mode][0], args.token_factor)
+            print(token_line(NAMES.get(mode, mode), report["tokens"][mode]), flush=True)
         same = sum(a == b for a, b in zip(outputs[mode], outputs.get("ar", outputs[mode])))
         results[mode] = dict(total.as_dict(), same_as_ar=same if "ar" in outputs else None,
                              warmup_prefill_hits=cold_hits, route_source=route_source(model, mode),
@@ -353,7 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 1 if the experts are not all pinned or any copy came from pageable memory (CUDA)")
     p.add_argument("--reference", action="store_true",
                    help="first check the slot cache's logits against an all-resident reference; exit 1 on a gap")
-    p.add_argument("--reference-tol", type=float, default=0.25, help="largest gap --reference accepts")
+    p.add_argument("--reference-tol", type=float, default=TOLERANCE, help="largest gap --reference accepts")
+    p.add_argument("--token-factor", type=float, default=FACTOR,
+                   help="--reference: a token that is not the reference's argmax fails where the reference's top-1 "
+                        "over top-2 margin is over this many times the step's numeric gap")
+    p.add_argument("--emulate-rounding", action="store_true",
+                   help="CPU studies: the checked passes' expert matmuls in a wider dtype, rounded once (a GPU's "
+                        "different accumulation order)")
     p.add_argument("--require-grouped", action="store_true",
                    help="exit 1 unless the experts ran as grouped matmuls over the slots (CUDA, bf16)")
     p.add_argument("--grouped", action="store_true", help="force the grouped experts path (CPU studies)")
@@ -366,8 +304,9 @@ def main(argv=None) -> int:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {MODES}")
-    if args.reference_tol <= 0:
-        raise SystemExit(f"--reference-tol must be positive, got {args.reference_tol}")
+    for name in ("reference_tol", "token_factor"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     report = run(args, emit=Progress(args.json))
     if report["info"]["cost_model"] is not None:  # known once SpecFit has resolved it
         print(header_lines(report)[1])
@@ -380,8 +319,14 @@ def main(argv=None) -> int:
     ref = report.get("reference")
     if ref is not None and ref["max_gap"] > args.reference_tol:
         print(f"FAIL (--reference): the slot cache's logits or experts outputs are {ref['max_gap']:.4f} standard "
-              f"deviations from the all-resident reference's (tolerance {args.reference_tol:g}): decoding through "
-              f"the offload is wrong")
+              f"deviations from the all-resident reference's (tolerance {args.reference_tol:g}) with the same routes: "
+              f"decoding through the offload is wrong")
+        return 1
+    wrong = {m: t["failures"] for m, t in report.get("tokens", {}).items() if t["failures"]}
+    if wrong:
+        print(f"FAIL (--reference): {', '.join(NAMES.get(m, m) for m in wrong)} decoded tokens the reference does "
+              f"not, where its margin is over {args.token_factor:g}x the step's numeric gap: "
+              + "; ".join(f"{NAMES.get(m, m)} step {f[0]['step']}" for m, f in wrong.items()))
         return 1
     if args.require_grouped and not (ref or {}).get("grouped", report["info"]["grouped"]):
         print("FAIL (--require-grouped): the experts ran gathered, not as grouped matmuls over the slots (see the "

@@ -1,12 +1,14 @@
-"""GPU check rows for FP8 experts at Qwen3-30B-A3B's shapes (hidden 2048, moe_intermediate 768, 128x128 blocks).
+"""FP8 experts against bf16 experts at Qwen3-30B-A3B's shapes (hidden 2048, moe_intermediate 768, 128x128 blocks),
+one row each:
 
 - bandwidth: host -> device copies of whole expert rows from a pinned arena (``ExpertStore``, pinned in place) into
   device slots, bf16 rows (9 MiB) against block-wise FP8 rows (4.5 MiB + 288 float32 scales): ms per expert and GB/s.
 - decode: one MoE layer's experts forward at decode (1 token, top-8) from resident slots, bf16 against FP8 (the FP8
-  rows dequantized as transformers' dequantizing load does, then the same batched math), ms per layer.
+  rows dequantized on the device as SpecFit computes them, then the same batched math), ms per layer.
 
     python benchmarks/fp8_check.py            # CUDA when available; --device cpu for a smoke run
-One JSON object per row on stdout (``gpu_check.sh`` calls it as ``python benchmarks/fp8_check.py``).
+One JSON object per row on stdout. A standalone study: ``gpu_check.sh`` does not run it (its optional ``fp8`` stage
+decodes an FP8 checkpoint at the real shapes instead).
 """
 
 from __future__ import annotations
@@ -20,20 +22,23 @@ import torch
 H, I, BLOCK, TOP_K = 2048, 768, (128, 128), 8
 
 
-def stores(experts: int, pin: bool):
+def stores(experts: int, pin: bool, hidden: int = H, intermediate: int = I, block: tuple[int, int] = BLOCK):
+    """One layer of ``experts`` random experts (``normal * 0.02``) twice: bf16 as stored, and the same weights
+    quantized block-wise to FP8 (e4m3 + float32 scales), each in an ``ExpertStore`` (pinned in place if ``pin``)."""
     from specfit.seam import layers as hf_layers
     from specfit.offload.formats import BlockFP8Format, quantize
     from specfit.offload.store import ExpertStore
 
-    layout = hf_layers.ExpertLayout(H, I)
-    bf16 = ExpertStore(1, experts, H, I, torch.bfloat16, pin=pin)
-    fp8 = ExpertStore(1, experts, H, I, torch.bfloat16, pin=pin, format=BlockFP8Format(layout, BLOCK, torch.bfloat16))
+    layout = hf_layers.ExpertLayout(hidden, intermediate)
+    bf16 = ExpertStore(1, experts, hidden, intermediate, torch.bfloat16, pin=pin)
+    fp8 = ExpertStore(1, experts, hidden, intermediate, torch.bfloat16, pin=pin,
+                      format=BlockFP8Format(layout, block, torch.bfloat16))
     g = torch.Generator().manual_seed(0)
-    bf16.arenas[0].copy_(torch.randn(bf16.arenas[0].shape, generator=g) * 0.02)
-    for e in range(experts):
+    for e in range(experts):  # expert by expert: no float32 copy of the whole arena
+        bf16.arenas[0][e].copy_(torch.randn(bf16.arenas[0].shape[1], generator=g) * 0.02)
         gate_up, down = bf16.expert(0, e)
         for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
-            q, s = quantize(w, BLOCK)
+            q, s = quantize(w, block)
             fp8.write_part(0, e, name, q)
             fp8.write_part(0, e, name + "_scale_inv", s)
     return bf16, fp8
@@ -81,13 +86,13 @@ def main() -> None:
                               ms_per_layer=seconds * 1e3, ms_per_token_48_layers=48 * seconds * 1e3)))
 
 
-def _experts_module():
-    """A Qwen3-MoE experts module at the real shapes, on the meta device (only its gating function is used)."""
+def _experts_module(hidden: int = H, intermediate: int = I):
+    """A Qwen3-MoE experts module at these shapes, on the meta device (only its gating function is used)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     with torch.device("meta"):
-        return Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=128))
+        return Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=intermediate, num_experts=128))
 
 
 if __name__ == "__main__":

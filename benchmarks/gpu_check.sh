@@ -1,63 +1,75 @@
 #!/usr/bin/env bash
-# SpecFit's prepared GPU check, in two parts that each fit 5 minutes of device time with the machine's start-up (a lent
-# device's 15 minutes then hold both parts in 10 and leave room to rerun either): one summary per part, one log file
-# per part.
+# SpecFit's prepared GPU check: both parts in one device call (or part 2 at once after part 1, on the warm machine),
+# inside the 600 s a command may run, leaving room in 15 device-minutes to rerun the longer part; one log, and a
+# summary whose RESULT lines say in one place what passed, what failed and why.
 #
 # usage: bash benchmarks/gpu_check.sh [--dry-run] [--part 1|2] [--stages LIST] [OUT_DIR]
 #
-#   OUT_DIR     where the log (gpu_check-part1.log / -part2.log, everything printed) and the JSON results go;
+#   OUT_DIR     where the log (gpu_check.log, or gpu_check-part1.log / -part2.log with --part) and the JSON results go;
 #               default: $OUT
-#   --part      1: env, pytest, bandwidth; 2: env, checkpoint, calibrate, decode (default: both, one after the other,
-#               as one run: for CPU plumbing only, it does not fit a device call)
-#   --stages    comma-separated subset of: env,pytest,bandwidth,checkpoint,calibrate,decode (env always runs;
-#               calibrate and decode need checkpoint)
-#   --dry-run   print the settings and the plan with each part's time estimate (the sum of its stage limits plus the
-#               reserve) and its device-minutes with the machine's start-up (STARTUP seconds); exits 1 if a part with
-#               start-up is over PART_LIMIT seconds or both parts are over BOTH_LIMIT; runs nothing
+#   --part      1: env, pytest, bandwidth, host-experts; 2: env, checkpoint, calibrate, decode (default: both, one after
+#               the other in one call, env once)
+#   --stages    comma-separated subset of: env,pytest,bandwidth,host-experts,checkpoint,calibrate,decode,fp8 (env always
+#               runs; calibrate, decode and fp8 need checkpoint). Default: all but fp8, which is optional (FP8=1 adds it)
+#   --dry-run   print the settings and the plan: each stage's limit, each part's and both parts' seconds (their limits
+#               plus a reserve), the device time with STARTUP seconds of start-up, and the margin left in DEVICE_LIMIT
+#               for one rerun of the longer part, at once on the warm machine and after a fresh start; exits 1 if both
+#               parts are over COMMAND_LIMIT or a rerun after a fresh start would not fit; runs nothing
 #   -h, --help  this text
 #
-# Stages, each under its own time limit (and all under the part's budget):
-#   env         package path without network: carried wheels from .whl/ (bash benchmarks/gpu_wheels.sh, run
-#               beforehand where PyPI is reachable) + specfit; FAILS unless every package the run imports is there
-#               (REQUIRED) and the torch found has what SpecFit calls (>= 2.6, a grouped matmul); versions
-#               (transformers >= 5.24), nvidia-smi. If it fails, only the bandwidth stage (torch alone) still runs
-#   pytest      SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py: FAILS unless tests ran and none skipped
-#   bandwidth   H2D time of one real-size expert (9,437,184 bytes, bf16) from an arena pinned by ExpertStore
-#               (cudaHostRegister; by hand if specfit does not import), from torch.empty(pin_memory=True), and from
-#               pageable memory. Every row is measured, then the stage FAILS unless both pinned rows are page-locked,
-#               reach MIN_H2D_GBPS and hand the host back before the copy lands (issue < half the copy time)
-#   checkpoint  a synthetic checkpoint with the real Qwen3-30B-A3B per-layer shapes but LAYERS of its 48 layers,
-#               random weights, + a random EAGLE-3 drafter; written under WORK on local disk and deleted at the end
-#               (KEEP=1 keeps it)
-#   calibrate   specfit calibrate with SLOTS slots, once: one profile prices every slot count and cache mode
-#               (compute per expert, copy overhead + the link's measured time per copy; the paper's demand-only beta
-#               beside it, A100 over PCIe 4.0: 0.211 ms cached); no route oracle; FAILS on a poor fit (calibrate's
-#               exit 3: no --force)
-#   decode      benchmarks/decode_check.py --reference: FAILS unless the slot cache (grouped matmuls over SLOTS slots)
-#               gives the all-resident reference's experts outputs and logits within bf16 tolerance (prefill and a
-#               greedy decode); then AR, EAGLE-3 and SpecFit (the route source "auto" resolves to, named in
-#               the row; the cached profile), each from empty slots, tok/s wall clock, and one more decode per mode
-#               under torch.cuda.set_sync_debug_mode("warn") plus the host waits it does not see (event, stream and
-#               device synchronizes): host syncs per cycle; --require-pinned: FAILS if any expert copy came from
-#               pageable memory
+# Stages, each under its own time limit (and all under the call's budget):
+#   env           package path without network: carried wheels from .whl/ (bash benchmarks/gpu_wheels.sh, run
+#                 beforehand where PyPI is reachable) + specfit; FAILS unless every package the run imports is there
+#                 (REQUIRED) and the torch found has what SpecFit calls (>= 2.6, a grouped matmul); versions
+#                 (transformers >= 5.24), nvidia-smi. If it fails, only the bandwidth stage (torch alone) still runs
+#   pytest        SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py: FAILS unless tests ran and none skipped
+#   bandwidth     H2D time of one real-size expert (9,437,184 bytes, bf16) from an arena pinned by ExpertStore
+#                 (cudaHostRegister; by hand if specfit does not import), from torch.empty(pin_memory=True), and from
+#                 pageable memory. Every row is measured, then the stage FAILS unless both pinned rows are page-locked,
+#                 reach MIN_H2D_GBPS and hand the host back before the copy lands (issue < half the copy time)
+#   host-experts  benchmarks/host_expert_check.py: host ms per Qwen3-30B-A3B expert at 1, 8 and 32 tokens on this
+#                 machine's CPU (all cores, bf16 as stored and FP8 dequantized per use) against the measured copy
+#                 (figures, issue 36)
+#   checkpoint    a synthetic checkpoint with the real Qwen3-30B-A3B per-layer shapes but LAYERS of its 48 layers,
+#                 random weights, + a random EAGLE-3 drafter; written under WORK on local disk and deleted at the end
+#                 (KEEP=1 keeps it)
+#   calibrate     specfit calibrate with SLOTS slots, once (one profile prices every slot count and cache mode), no
+#                 plot, --force: the fit's verdict (good or poor, with the gate's reasons) is a RESULT figure, and
+#                 decode gets the profile either way; FAILS only if calibrate does not finish
+#   decode        benchmarks/decode_check.py --reference: the correctness gate (benchmarks/decode_gate.py) FAILS unless
+#                 the slot cache (grouped matmuls over SLOTS slots) with the reference's routes replayed gives the
+#                 all-resident reference's experts outputs and logits within bf16 tolerance (prefill and a greedy
+#                 decode; the router's own disagreements counted apart), the first MoE layer matches transformers' own
+#                 experts forward on the stored weights, and AR's, EAGLE-3's and SpecFit's greedy output teacher-forced
+#                 through the reference disagrees nowhere its margin is clearly above the step's numeric gap; then
+#                 AR, EAGLE-3 and SpecFit (the route source "auto" resolves to, named in the row; the calibrated
+#                 profile), each from empty slots, tok/s wall clock, and one more decode per mode under
+#                 torch.cuda.set_sync_debug_mode("warn") plus the host waits it does not see (event, stream and device
+#                 synchronizes): host syncs per cycle; --require-pinned: FAILS if any expert copy came from pageable
+#                 memory
+#   fp8           (optional) the synthetic checkpoint's experts quantized block-wise to FP8 (e4m3, 128x128 float32
+#                 scales, as Qwen3-30B-A3B-FP8), then decode_check.py --reference on it (AR and SpecFit): FP8 experts
+#                 dequantized on the device at real shapes, on any compute capability
 # Stages print figures as soon as they have them (decode: a row per mode; RESULT lines), so a run cut short by its
 # time limit still yields numbers.
 #
-# Environment: LAYERS (6), SLOTS (48), WORK (/tmp/specfit-gpu-check), PART_LIMIT seconds (300: one part's device time,
-# start-up included), BOTH_LIMIT (600: both parts), STARTUP seconds (90: a fresh machine's start, "a minute or more"
-# by the device README, plus the working tree's transfer), PYTHON (python3), KEEP (0), CAL_ARGS (extra calibrate
-# arguments: "--max-new-tokens 32"), DECODE_PROMPTS (1), DECODE_TOKENS (16), REQUIRED (the modules the env stage
-# requires), MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over PCIe 4.0 reached
-# 23.1 GB/s). To exercise the plumbing on a CPU machine (one thread: several threads on a busy 2-core machine made
-# tiny decodes ~70x slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12 DECODE_PROMPTS=1
-# DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --part 2 DIR
+# Environment: LAYERS (6), SLOTS (48), WORK (/tmp/specfit-gpu-check), FP8_BLOCK (128; the tiny preset: 16), STARTUP seconds (150: a fresh machine's start,
+# "a minute or more" by the device README, plus the working tree's transfer and the close), COMMAND_LIMIT (600: one
+# device call), DEVICE_LIMIT (900: the session's device seconds), PYTHON (python3), KEEP (0), FP8 (0), CAL_ARGS (extra
+# calibrate arguments), DECODE_PROMPTS (1), DECODE_TOKENS (16), REQUIRED (the modules the env stage requires),
+# MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over PCIe 4.0 reached 23.1 GB/s), LIMIT_SCALE
+# (stage limits x this; 2 with ALLOW_CPU=1). To exercise the plumbing on a CPU machine (one thread: several threads on
+# a busy 2-core machine made tiny decodes ~70x slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12
+# DECODE_PROMPTS=1 DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --part 2 DIR (FP8=1 FP8_BLOCK=16: the fp8 stage too)
 set -uo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
-ALL_STAGES="env pytest bandwidth checkpoint calibrate decode"
-PART1="env pytest bandwidth" PART2="env checkpoint calibrate decode"
-OUTDIR="" DRY=0 STAGES="${ALL_STAGES// /,}" PART=""
+ALL_STAGES="env pytest bandwidth host-experts checkpoint calibrate decode fp8"
+PART1="env pytest bandwidth host-experts" PART2="env checkpoint calibrate decode fp8"
+DEFAULT_STAGES="env,pytest,bandwidth,host-experts,checkpoint,calibrate,decode"
+[ "${FP8:-0}" = 1 ] && DEFAULT_STAGES+=",fp8"
+OUTDIR="" DRY=0 STAGES="$DEFAULT_STAGES" PART=""
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
@@ -92,51 +104,71 @@ PRESET=${PRESET:-qwen3-30b-a3b}
 LAYERS=${LAYERS:-6}
 SLOTS=${SLOTS:-48}
 WORK=${WORK:-/tmp/specfit-gpu-check}
-PART_LIMIT=${PART_LIMIT:-300}
-BOTH_LIMIT=${BOTH_LIMIT:-600}
-STARTUP=${STARTUP:-90}
+STARTUP=${STARTUP:-150}
+COMMAND_LIMIT=${COMMAND_LIMIT:-600}
+DEVICE_LIMIT=${DEVICE_LIMIT:-900}
 # every module the run imports beyond torch (specfit's own needs, the CUDA tests', calibrate's and decode's)
 export REQUIRED=${REQUIRED:-transformers accelerate safetensors huggingface_hub tokenizers numpy scipy regex tqdm platformdirs packaging pytest}
 PY=${PYTHON:-python3}
 KEEP=${KEEP:-0}
-CAL_ARGS=${CAL_ARGS---max-new-tokens 32}
+CAL_ARGS=${CAL_ARGS:-}
 DECODE_PROMPTS=${DECODE_PROMPTS:-1}
 DECODE_TOKENS=${DECODE_TOKENS:-16}
 export MIN_H2D_GBPS=${MIN_H2D_GBPS:-20}
+FP8_BLOCK=${FP8_BLOCK:-128}
 SITE="$WORK/site"
-# seconds per stage; calibrate runs once (one profile per machine and model). Part 1: 30 + 120 + 30; part 2:
-# 30 + 45 + 50 + 45
-declare -A BUDGET=([env]=30 [pytest]=120 [bandwidth]=30 [checkpoint]=45 [calibrate]=50 [decode]=45)
+# seconds per stage. pytest: the CUDA tests took 40-80 s by review 4's estimate; calibrate: load and pin 6 real
+# layers, ~200 probe cycles, the fit, bootstrap (30-45 s estimated on the device; no plot)
+declare -A BUDGET=([env]=30 [pytest]=100 [bandwidth]=25 [host-experts]=30 [checkpoint]=45 [calibrate]=70 [decode]=60
+                   [fp8]=90)
 RESERVE=10  # seconds kept for cleanup and the summary
+# a CPU plumbing run (ALLOW_CPU=1) on a shared machine is not the device: its stages get LIMIT_SCALE x their limits
+# (default 2 there, 1 elsewhere); the plan (--dry-run) is always the device's
+LIMIT_SCALE=${LIMIT_SCALE:-$([ "${ALLOW_CPU:-0}" = 1 ] && echo 2 || echo 1)}
 
 minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
 
-estimate() {  # stages... -> seconds: their limits plus the reserve
+wanted() { [[ ",$STAGES," == *",$1,"* ]] && [[ " $PARTS " == *" $1 "* ]]; }
+
+chosen() {  # stages... -> those of them this run takes (env always)
+    local s out=()
+    for s in "$@"; do
+        if [ "$s" = env ] || [[ ",$STAGES," == *",$s,"* ]]; then out+=("$s"); fi
+    done
+    echo "${out[*]}"
+}
+
+estimate() {  # stages... -> seconds: the limits of those wanted (env always) plus the reserve
     local total=$RESERVE s
     for s in "$@"; do
-        total=$((total + BUDGET[$s]))
+        if [ "$s" = env ] || [[ ",$STAGES," == *",$s,"* ]]; then total=$((total + BUDGET[$s])); fi
     done
     echo "$total"
 }
-TOTAL_BUDGET=${TOTAL_BUDGET:-$(estimate $PARTS)}
-NAMES=() RESULTS=() SECONDS_USED=()
+TOTAL_BUDGET=${TOTAL_BUDGET:-$(($(estimate $PARTS) * LIMIT_SCALE))}
+NAMES=() RESULTS=() SECONDS_USED=() WHY=()
 
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 export SPECFIT_CACHE="$WORK/specfit-cache"  # profiles go to OUT_DIR explicitly; keep the user cache clean
 
-wanted() { [[ ",$STAGES," == *",$1,"* ]] && [[ " $PARTS " == *" $1 "* ]]; }
+record() {  # name status seconds [why]
+    NAMES+=("$1") RESULTS+=("$2") SECONDS_USED+=("$3") WHY+=("${4:-}")
+    echo "=== [$1] $2 (${3}s)${4:+: $4}"
+}
 
-record() {  # name status seconds
-    NAMES+=("$1") RESULTS+=("$2") SECONDS_USED+=("$3")
-    echo "=== [$1] $2 (${3}s)"
+why() {  # stage -> the first FAIL line its output printed, else its last line
+    local out="$TMPD/$1.out" line
+    line=$(grep -m1 -E '^(FAIL|RESULT [^:]*: FAIL)' "$out" 2>/dev/null)
+    [ -n "$line" ] || line="last line: $(grep -v '^[[:space:]]*$' "$out" 2>/dev/null | tail -n 1)"
+    echo "${line:0:600}"
 }
 
 # run_stage NAME BUDGET CMD...: CMD under `timeout`, capped by what is left of TOTAL_BUDGET
 run_stage() {
-    local name=$1 budget=$2; shift 2
+    local name=$1 budget=$(($2 * LIMIT_SCALE)); shift 2
     local left=$((DEADLINE - $(date +%s) - RESERVE))
     local limit=$((budget < left ? budget : left))
-    if [ "$limit" -lt 5 ]; then record "$name" "SKIPPED (total budget spent)" 0; return 1; fi
+    if [ "$limit" -lt 5 ]; then record "$name" SKIPPED 0 "the call's budget was spent"; return 1; fi
     echo
     echo "=== [$name] limit ${limit}s: $*"
     local t0; t0=$(date +%s)
@@ -145,8 +177,8 @@ run_stage() {
     local dt=$(($(date +%s) - t0))
     case $rc in
         0) record "$name" PASS "$dt" ;;
-        124|137) record "$name" "TIMEOUT (limit ${limit}s)" "$dt" ;;
-        *) record "$name" "FAIL (exit $rc)" "$dt" ;;
+        124|137) record "$name" "TIMEOUT (limit ${limit}s)" "$dt" "$(why "$name")" ;;
+        *) record "$name" "FAIL (exit $rc)" "$dt" "$(why "$name")" ;;
     esac
     return "$rc"
 }
@@ -350,10 +382,12 @@ stage_checkpoint() {
     echo "RESULT checkpoint: $(du -sb "$WORK/ckpt" | cut -f1) bytes, preset $PRESET, $LAYERS layers"
 }
 
-calibrate_cmd() {  # mode -> CMD
+calibrate_cmd() {  # -> CMD
+    # --force: the fit's verdict is a figure here (print_fit), and decode gets the profile either way; 48 probes over
+    # 48 tokens: ~150 timed cycles on the device's single link
     CMD=("$PY" -m specfit.cli calibrate --model "$WORK/ckpt" --drafter "$WORK/drafter" --slots "$SLOTS"
-         --cache-mode "$1" --prompts random --num-prompts 2 --probes 32 --repeats 2 --dtype bfloat16
-         --out "$OUTDIR/profile-$1.json")  # no --force: a poor fit (exit 3) fails the stage
+         --cache-mode cached --prompts random --num-prompts 2 --probes 48 --max-new-tokens 48 --repeats 2
+         --dtype bfloat16 --out "$OUTDIR/profile-cached.json" --plot none --force)
     read -r -a extra <<<"$CAL_ARGS"
     CMD+=("${extra[@]}")
 }
@@ -366,19 +400,39 @@ decode_cmd() {  # -> CMD
     if [ "${ALLOW_CPU:-0}" != 1 ]; then CMD+=(--require-pinned --require-grouped); fi
 }
 
-print_beta() {  # mode paper_ms
-    "$PY" - "$OUTDIR/profile-$1.json" "$1" "$2" <<'EOF'
+stage_fp8() {  # the synthetic checkpoint's FP8 twin (same random weights, quantized), decoded with the gate
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" benchmarks/synthetic_checkpoint.py "$WORK/ckpt-fp8" --preset "$PRESET" \
+        --layers "$LAYERS" --fp8-block "$FP8_BLOCK" --workers "$(nproc)" || return 1
+    fp8_cmd
+    "${CMD[@]}"
+}
+
+fp8_cmd() {  # -> CMD: AR and SpecFit on the FP8 checkpoint (gathered: FP8 rows are dequantized per use)
+    CMD=("$PY" benchmarks/decode_check.py --model "$WORK/ckpt-fp8" --drafter "$WORK/drafter" --slots "$SLOTS"
+         --modes ar,specfit --prompts 1 --prompt-len 32 --new-tokens "$DECODE_TOKENS" --dtype bfloat16
+         --json "$OUTDIR/decode-fp8.json" --reference)
+    if [ -f "$OUTDIR/profile-cached.json" ] || [ "$DRY" = 1 ]; then CMD+=(--profile "$OUTDIR/profile-cached.json"); fi
+    if [ "${ALLOW_CPU:-0}" != 1 ]; then CMD+=(--require-pinned); fi
+}
+
+print_fit() {  # the calibrated profile's figures and its verdict (a figure, not the stage's status)
+    "$PY" - "$OUTDIR/profile-cached.json" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 beta, r2, n = d["beta"] * 1e3, d.get("r2") or 0.0, d.get("n_records")
-verdict = (d.get("quality") or {}).get("verdict", "unassessed")
+q = d.get("quality") or {}
+held = q.get("heldout_r2")
+verdict = q.get("verdict", "unassessed")
+if verdict == "poor":
+    verdict = "POOR (" + "; ".join(q.get("reasons") or []) + ")"
 link = max((d.get("probes") or {}).get("link_seconds") or [0.0])
 copy = (d.get("copy_overhead_s", 0.0) + d.get("link_share", 1.0) * link) * 1e3
 paper = (d.get("paper") or {}).get("beta")
 print(f"RESULT profile: compute {beta:.4f} ms per expert, copy {copy:.4f} ms per expert (the link's own "
-      f"{link * 1e3:.4f} ms, measured from the pinned bandwidth), R^2 {r2:.3f} over {n} probes, fit {verdict}; "
-      f"the paper's demand-only beta here {'n/a' if paper is None else f'{paper * 1e3:.4f}'} ms "
-      f"(paper, A100 over PCIe 4.0: {sys.argv[3]} ms)")
+      f"{link * 1e3:.4f} ms, measured from the pinned bandwidth), R^2 {r2:.3f} (held out "
+      f"{'n/a' if held is None else f'{held:.3f}'}) over {n} probes; the paper's demand-only beta here "
+      f"{'n/a' if paper is None else f'{paper * 1e3:.4f}'} ms (paper, A100 over PCIe 4.0: 0.211 ms)")
+print(f"RESULT calibration verdict: {verdict}; the profile goes to decode either way")
 EOF
 }
 
@@ -416,45 +470,53 @@ cleanup() {
     rm -rf "$TMPD"
 }
 
+plan() {  # the dry run's plan: seconds per stage, per part, for one call, and the rerun margin; 1 if it does not fit
+    local p1 p2 one call longer name warm cold over=0
+    p1=$(estimate $PART1) p2=$(estimate $PART2)
+    if [ "$p1" -ge "$p2" ]; then longer=$p1 name=1; else longer=$p2 name=2; fi
+    case "$PART" in 1) one=$p1 ;; 2) one=$p2 ;; *) one=$(estimate $PART1 ${PART2#env }) ;; esac
+    call=$((one + STARTUP))
+    warm=$((call + longer)) cold=$((call + longer + STARTUP))
+    echo "plan (seconds; each part's and each call's estimate is the sum of its stage limits plus ${RESERVE}s of reserve;" \
+         "a fresh machine's start-up priced at ${STARTUP}s):"
+    echo "  part 1 ($(chosen $PART1)): ${p1}s; part 2 ($(chosen $PART2)): ${p2}s"
+    echo "  this call (part ${PART:-1+2}): ${one}s of the ${COMMAND_LIMIT}s a command may run:" \
+         "$([ "$one" -le "$COMMAND_LIMIT" ] && echo fits || echo OVER); with start-up ${call}s" \
+         "($(minutes "$call") device-minutes); run it with timeout_s $COMMAND_LIMIT"
+    echo "  one rerun of the longer part (part $name, ${longer}s): at once on the warm machine ${warm}s" \
+         "($(minutes "$warm") device-minutes), margin $((DEVICE_LIMIT - warm))s; after a fresh start ${cold}s" \
+         "($(minutes "$cold") device-minutes), margin $((DEVICE_LIMIT - cold))s of the ${DEVICE_LIMIT}s:" \
+         "$([ "$cold" -le "$DEVICE_LIMIT" ] && echo fits || echo 'OVER: leave a stage to the next run')"
+    [ "$one" -le "$COMMAND_LIMIT" ] && [ "$cold" -le "$DEVICE_LIMIT" ] || over=1
+    [ -n "$PART" ] && echo "  (a part alone: run the other at once after it, inside the warm window: no second start-up)"
+    echo "dry run: the stages (limits in seconds)"
+    for s in $ALL_STAGES; do
+        wanted "$s" || [ "$s" = env ] || continue
+        case $s in
+            env) echo "  env ${BUDGET[env]}: install .whl/*.whl into $SITE/deps, build specfit into $SITE/pkg, versions, nvidia-smi" ;;
+            pytest) echo "  pytest ${BUDGET[pytest]}: SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py, no skips" ;;
+            bandwidth) echo "  bandwidth ${BUDGET[bandwidth]}: H2D of one 9,437,184-byte expert: registered / pin_memory / pageable" ;;
+            host-experts) echo "  host-experts ${BUDGET[host-experts]}: $PY benchmarks/host_expert_check.py --json $OUTDIR/host_experts.json" ;;
+            checkpoint) echo "  checkpoint ${BUDGET[checkpoint]}: benchmarks/synthetic_checkpoint.py $WORK/ckpt --preset $PRESET --layers $LAYERS --drafter-out $WORK/drafter" ;;
+            calibrate) calibrate_cmd; echo "  calibrate ${BUDGET[calibrate]}: ${CMD[*]}" ;;
+            decode) decode_cmd; echo "  decode ${BUDGET[decode]}: ${CMD[*]}" ;;
+            fp8) fp8_cmd; echo "  fp8 ${BUDGET[fp8]}: benchmarks/synthetic_checkpoint.py $WORK/ckpt-fp8 --preset $PRESET --layers $LAYERS --fp8-block $FP8_BLOCK; then ${CMD[*]}" ;;
+        esac
+    done
+    return $over
+}
+
 main() {
     echo "SpecFit GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), host ${HOSTNAME:-$(uname -n)}, repo $(pwd)"
     echo "settings: PRESET=$PRESET LAYERS=$LAYERS SLOTS=$SLOTS WORK=$WORK part=${PART:-both} TOTAL_BUDGET=${TOTAL_BUDGET}s" \
-         "stages=$STAGES log=$LOG"
-    if [ "$DRY" = 1 ]; then
-        local over=0 p est both=0
-        for p in 1 2; do
-            local stages_var="PART$p"
-            est=$(($(estimate ${!stages_var}) + STARTUP))
-            both=$((both + est))
-            echo "part $p (${!stages_var}): estimate ${est}s with ${STARTUP}s of start-up" \
-                 "($(minutes "$est") device-minutes) of the ${PART_LIMIT}s a part may take:" \
-                 "$([ "$est" -le "$PART_LIMIT" ] && echo fits || echo OVER)"
-            [ "$est" -le "$PART_LIMIT" ] || over=1
-        done
-        echo "both parts, one call each: ${both}s ($(minutes "$both") device-minutes) of the ${BOTH_LIMIT}s both may" \
-             "take: $([ "$both" -le "$BOTH_LIMIT" ] && echo fits || echo OVER); a rerun of either then still fits 15" \
-             "device-minutes: $([ $((both + PART_LIMIT)) -le 900 ] && echo yes || echo NO)"
-        [ "$both" -le "$BOTH_LIMIT" ] && [ $((both + PART_LIMIT)) -le 900 ] || over=1
-        echo "dry run: the plan (limits in seconds)"
-        for s in $ALL_STAGES; do
-            wanted "$s" || [ "$s" = env ] || continue
-            case $s in
-                env) echo "  env ${BUDGET[env]}: install .whl/*.whl into $SITE/deps, build specfit into $SITE/pkg, versions, nvidia-smi" ;;
-                pytest) echo "  pytest ${BUDGET[pytest]}: SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py, no skips" ;;
-                bandwidth) echo "  bandwidth ${BUDGET[bandwidth]}: H2D of one 9,437,184-byte expert: registered / pin_memory / pageable" ;;
-                checkpoint) echo "  checkpoint ${BUDGET[checkpoint]}: benchmarks/synthetic_checkpoint.py $WORK/ckpt --preset $PRESET --layers $LAYERS --drafter-out $WORK/drafter" ;;
-                calibrate) calibrate_cmd cached; echo "  calibrate-cached ${BUDGET[calibrate]}: ${CMD[*]}" ;;
-                decode) decode_cmd; echo "  decode ${BUDGET[decode]}: ${CMD[*]}" ;;
-            esac
-        done
-        return $over
-    fi
+         "stages=$STAGES log=$LOG${LIMIT_SCALE:+ LIMIT_SCALE=$LIMIT_SCALE}"
+    if [ "$DRY" = 1 ]; then plan; return; fi
     mkdir -p "$WORK" && touch "$WORK/.specfit-gpu-check"
     if stage_env 2>&1 | tee "$TMPD/env.out"; [ "${PIPESTATUS[0]}" -eq 0 ]; then
         record env PASS $(($(date +%s) - START))
         export PYTHONPATH="$SITE/pkg:$SITE/deps${PYTHONPATH:+:$PYTHONPATH}"  # the pipe ran stage_env in a subshell
     else
-        record env FAIL $(($(date +%s) - START))
+        record env FAIL $(($(date +%s) - START)) "$(why env)"
         echo "the environment is not usable: only the bandwidth stage (torch alone) still runs"
         if wanted bandwidth; then run_stage bandwidth "${BUDGET[bandwidth]}" "$PY" "$TMPD/bandwidth.py"; fi
         return 1
@@ -464,46 +526,66 @@ main() {
         run_stage pytest "${BUDGET[pytest]}" bash -c stage_pytest
     fi
     if wanted bandwidth; then run_stage bandwidth "${BUDGET[bandwidth]}" "$PY" "$TMPD/bandwidth.py"; fi
+    if wanted host-experts; then
+        run_stage host-experts "${BUDGET[host-experts]}" "$PY" benchmarks/host_expert_check.py \
+            --json "$OUTDIR/host_experts.json"
+    fi
     local have_ckpt=0
     if wanted checkpoint; then
         export -f stage_checkpoint && export PY LAYERS WORK PRESET
         run_stage checkpoint "${BUDGET[checkpoint]}" bash -c stage_checkpoint && have_ckpt=1
     fi
-    if wanted calibrate; then
-        for mode in cached; do  # one profile prices every cache mode
-            if [ $have_ckpt = 1 ]; then
-                calibrate_cmd "$mode"  # tqdm progress every 10 s, the load line at once
-                run_stage "calibrate-$mode" "${BUDGET[calibrate]}" env -u TQDM_DISABLE TQDM_MININTERVAL=10 "${CMD[@]}" \
-                    && print_beta "$mode" "$([ "$mode" = cached ] && echo 0.211 || echo 0.408)" | tee -a "$TMPD/summary.out"
-            else
-                record "calibrate-$mode" "SKIPPED (no checkpoint)" 0
-            fi
-        done
+    if wanted calibrate; then  # once: one profile prices every slot count and cache mode
+        if [ $have_ckpt = 1 ]; then
+            calibrate_cmd  # tqdm progress every 10 s, the load line at once
+            run_stage calibrate "${BUDGET[calibrate]}" env -u TQDM_DISABLE TQDM_MININTERVAL=10 "${CMD[@]}" \
+                && print_fit | tee -a "$TMPD/summary.out"
+        else
+            record calibrate "SKIPPED" 0 "no checkpoint"
+        fi
     fi
     if wanted decode; then
         if [ $have_ckpt = 1 ]; then
-            [ -f "$OUTDIR/profile-cached.json" ] || echo "note: no cached profile: SpecFit uses its default cost model"
+            [ -f "$OUTDIR/profile-cached.json" ] || echo "note: no calibrated profile: SpecFit uses its default cost model"
             decode_cmd
             run_stage decode "${BUDGET[decode]}" "${CMD[@]}"
             print_decode | tee -a "$TMPD/summary.out"  # the modes done so far, even after a timeout
         else
-            record decode "SKIPPED (no checkpoint)" 0
+            record decode "SKIPPED" 0 "no checkpoint"
+        fi
+    fi
+    if wanted fp8; then  # optional: FP8 experts dequantized on the device at the real shapes
+        if [ $have_ckpt = 1 ]; then
+            export -f stage_fp8 fp8_cmd && export PY LAYERS WORK PRESET FP8_BLOCK SLOTS DECODE_TOKENS OUTDIR DRY
+            run_stage fp8 "${BUDGET[fp8]}" bash -c stage_fp8
+        else
+            record fp8 "SKIPPED" 0 "no checkpoint (its drafter)"
         fi
     fi
 }
 
-summary() {
-    local passed=0 i
+summary() {  # what passed, what failed and why, in one place
+    local passed=0 i failed=()
     echo
     echo "================================ SUMMARY ================================"
     echo "SpecFit GPU check, part ${PART:-1+2}: $PRESET with $LAYERS layers (the real per-layer shapes, $LAYERS of" \
          "48 layers, for qwen3-30b-a3b), SLOTS=$SLOTS; $(($(date +%s) - START))s"
     for i in "${!NAMES[@]}"; do
-        printf '  %-18s %-28s %4ss\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_USED[$i]}"
-        [ "${RESULTS[$i]}" = PASS ] && passed=$((passed + 1))
+        if [ "${RESULTS[$i]}" = PASS ]; then
+            passed=$((passed + 1))
+            echo "RESULT stage ${NAMES[$i]}: PASS (${SECONDS_USED[$i]}s)"
+        else
+            echo "RESULT stage ${NAMES[$i]}: ${RESULTS[$i]} (${SECONDS_USED[$i]}s): ${WHY[$i]}"
+            failed+=("${NAMES[$i]}")
+        fi
     done
-    cat "$TMPD"/*.out 2>/dev/null | grep -h '^RESULT' | sed 's/^RESULT /  /' | awk '!seen[$0]++'
-    echo "stages passed: $passed of ${#NAMES[@]}; log: $LOG"
+    cat "$TMPD"/*.out 2>/dev/null | grep -h '^RESULT' | grep -v '^RESULT stage ' | sed 's/^RESULT /  /' | awk '!seen[$0]++'
+    if [ "$passed" -eq "${#NAMES[@]}" ]; then
+        echo "RESULT check: PASS: all ${#NAMES[@]} stages passed; log: $LOG"
+    else
+        echo "RESULT check: FAIL: $passed of ${#NAMES[@]} stages passed; not passed: ${failed[*]} (reasons in the" \
+             "RESULT stage lines above); log: $LOG"
+    fi
     [ "$passed" -eq "${#NAMES[@]}" ]
 }
 

@@ -12,6 +12,11 @@ nearly the same context average at every position, would dominate the hidden sta
 same experts and greedy decoding would repeat one token. With a unit embedding a token's own embedding dominates, so
 routes change from token to token (close to uniform: random weights give real costs, meaningless text).
 
+``--fp8-block N`` writes the block-wise FP8 layout of Qwen's ``-FP8`` releases instead (``Qwen/Qwen3-30B-A3B-FP8``:
+N = 128): every 2-D projection (attention q/k/v/o, each expert's gate/up/down) as e4m3 with a float32
+``weight_scale_inv`` per N x N block beside it, the router, norms, embedding and head in the checkpoint dtype, and
+``quantization_config`` in ``config.json``; the same random weights, quantized.
+
     python benchmarks/synthetic_checkpoint.py OUT --preset qwen3-30b-a3b --layers 12 --drafter-out OUT-drafter
 """
 
@@ -41,6 +46,12 @@ PRESETS = {
                    num_key_value_heads=4, head_dim=64, num_experts=128, num_experts_per_tok=8,
                    moe_intermediate_size=384, intermediate_size=3072, max_position_embeddings=4096,
                    bos_token_id=1, eos_token_id=2, draft_vocab_size=8000),
+    # ~28 MB: the real routing at a width where an experts output's rounding reaches the residual stream, so another
+    # accumulation order flips near-tied routes as at real shapes (the decode gate's tests)
+    "small": dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32,
+                  intermediate_size=512, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                  draft_vocab_size=256),
     # ~7 MB: the real routing at toy width, for tests and the fast offload benchmark
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32,
@@ -53,8 +64,9 @@ STD, EMBED_STD = 0.02, 1.0
 WEIGHTS = f"normal*{STD}, embedding normal*{EMBED_STD}, norms 1"  # recorded by the benchmarks that reuse a checkpoint
 
 
-def hub_config(preset: str, layers: int | None = None, dtype: str = "bfloat16") -> dict:
-    """The ``config.json`` dict of a preset, as the hub writes it (legacy ``rope_theta``, ``torch_dtype``)."""
+def hub_config(preset: str, layers: int | None = None, dtype: str = "bfloat16", fp8_block: int | None = None) -> dict:
+    """The ``config.json`` dict of a preset, as the hub writes it (legacy ``rope_theta``, ``torch_dtype``; with
+    ``fp8_block``, the ``quantization_config`` of a block-wise FP8 release)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     p = {k: v for k, v in PRESETS[preset].items() if k != "draft_vocab_size"}
@@ -64,6 +76,9 @@ def hub_config(preset: str, layers: int | None = None, dtype: str = "bfloat16") 
         p["num_hidden_layers"] = layers
     import transformers
 
+    if fp8_block is not None:
+        p["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [fp8_block, fp8_block],
+                                    "activation_scheme": "dynamic", "fmt": "e4m3"}
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
             "attention_dropout": 0.0, "decoder_sparse_step": 1, "hidden_act": "silu", "initializer_range": 0.02,
             "max_window_layers": p["num_hidden_layers"], "mlp_only_layers": [], "norm_topk_prob": True,
@@ -118,12 +133,32 @@ def parse_size(text: str | int) -> int:
     return int(float(m[1]) * scale)
 
 
-def plan_shards(shapes, itemsize: int, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+def stored_tensors(name: str, shape: tuple[int, ...], fp8_block: int | None) -> list[tuple[str, tuple, str | None]]:
+    """The checkpoint keys one model tensor is stored as, with shapes and safetensors dtypes (None: the checkpoint's
+    dtype): itself, or with ``fp8_block`` each 2-D projection as its e4m3 weight and float32 ``weight_scale_inv``.
+
+    >>> stored_tensors("model.layers.0.mlp.experts.3.down_proj.weight", (2048, 768), 128)[1]
+    ('model.layers.0.mlp.experts.3.down_proj.weight_scale_inv', (16, 6), 'F32')
+    """
+    if fp8_block is None or not name.endswith("proj.weight") or len(shape) != 2:
+        return [(name, shape, None)]
+    if shape[0] % fp8_block or shape[1] % fp8_block:
+        raise ValueError(f"--fp8-block {fp8_block} does not tile {name} {list(shape)}")
+    return [(name, shape, "F8_E4M3"),
+            (name[: -len("weight")] + "weight_scale_inv", (shape[0] // fp8_block, shape[1] // fp8_block), "F32")]
+
+
+_TAG_BYTES = {"F8_E4M3": 1, "F32": 4}
+
+
+def plan_shards(shapes, itemsize: int, shard_bytes: int, fp8_block: int | None = None
+                ) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Greedy, in key order: a tensor starts a new shard when it would push the current one past ``shard_bytes``
-    (as ``save_pretrained`` does); a tensor larger than a shard gets a shard of its own."""
+    (as ``save_pretrained`` does); a tensor larger than a shard gets a shard of its own. A tensor's bytes are those it
+    is stored as (``stored_tensors``)."""
     shards, current, size = [], [], 0
     for name, shape in shapes:
-        nbytes = _numel(shape) * itemsize
+        nbytes = sum(_numel(s) * _TAG_BYTES.get(tag, itemsize) for _, s, tag in stored_tensors(name, shape, fp8_block))
         if current and size + nbytes > shard_bytes:
             shards.append(current)
             current, size = [], 0
@@ -148,15 +183,28 @@ def make_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
     return out.view(shape)
 
 
-def write_shard(path: Path, tensors, seed: int, dtype: str, pool: ThreadPoolExecutor, window: int) -> int:
+def make_stored(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, fp8_block: int | None):
+    """The tensors ``stored_tensors`` names for one model tensor, in its order: ``make_tensor``'s, quantized
+    block-wise where it is an FP8 projection."""
+    t = make_tensor(name, shape, seed, dtype)
+    if len(stored_tensors(name, shape, fp8_block)) == 1:
+        return [t]
+    from specfit.offload.formats import quantize
+
+    return list(quantize(t, (fp8_block, fp8_block)))
+
+
+def write_shard(path: Path, tensors, seed: int, dtype: str, pool: ThreadPoolExecutor, window: int,
+                fp8_block: int | None = None) -> int:
     """Write one safetensors file: header from the shapes, then each tensor's bytes as it is generated."""
     torch_dtype, tag = _DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     header, offset = {}, 0
     for name, shape in tensors:
-        nbytes = _numel(shape) * itemsize
-        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+        for key, kshape, ktag in stored_tensors(name, shape, fp8_block):
+            nbytes = _numel(kshape) * _TAG_BYTES.get(ktag, itemsize)
+            header[key] = {"dtype": ktag or tag, "shape": list(kshape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
@@ -166,24 +214,28 @@ def write_shard(path: Path, tensors, seed: int, dtype: str, pool: ThreadPoolExec
         f.write(raw)
         pending = []
         for name, shape in tensors:  # generate ahead on the pool, write in order
-            pending.append(pool.submit(make_tensor, name, shape, seed, torch_dtype))
+            pending.append(pool.submit(make_stored, name, shape, seed, torch_dtype, fp8_block))
             if len(pending) >= window:
-                _write_tensor(f, pending.pop(0).result())
+                for t in pending.pop(0).result():
+                    _write_tensor(f, t)
         for fut in pending:
-            _write_tensor(f, fut.result())
+            for t in fut.result():
+                _write_tensor(f, t)
     os.replace(tmp, path)
     return 8 + len(raw) + offset
 
 
 def write_checkpoint(out, preset: str = "qwen3-30b-a3b", layers: int | None = None, shard_size="4GB",
-                     seed: int = 0, dtype: str = "bfloat16", workers: int | None = None) -> dict:
-    """Write the checkpoint into folder ``out``; returns a summary (bytes, shards, seconds, config)."""
+                     seed: int = 0, dtype: str = "bfloat16", workers: int | None = None,
+                     fp8_block: int | None = None) -> dict:
+    """Write the checkpoint into folder ``out`` (block-wise FP8 projections with ``fp8_block``); returns a summary
+    (bytes, shards, seconds, config)."""
     t0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = hub_config(preset, layers, dtype)
+    config = hub_config(preset, layers, dtype, fp8_block)
     itemsize = torch.empty((), dtype=_DTYPES[dtype][0]).element_size()
-    shards = plan_shards(tensor_shapes(config), itemsize, parse_size(shard_size))
+    shards = plan_shards(tensor_shapes(config), itemsize, parse_size(shard_size), fp8_block)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for stale in out.glob("model*.safetensors*"):  # a previous run with another shard count
         stale.unlink()
@@ -192,10 +244,11 @@ def write_checkpoint(out, preset: str = "qwen3-30b-a3b", layers: int | None = No
     weight_map = {}
     with ThreadPoolExecutor(workers) as pool:
         for name, tensors in zip(names, shards):
-            file_bytes += write_shard(out / name, tensors, seed, dtype, pool, window=2 * workers)
-            for key, shape in tensors:
-                weight_map[key] = name
-                total_bytes += _numel(shape) * itemsize
+            file_bytes += write_shard(out / name, tensors, seed, dtype, pool, window=2 * workers, fp8_block=fp8_block)
+            for model_key, model_shape in tensors:
+                for key, shape, tag in stored_tensors(model_key, model_shape, fp8_block):
+                    weight_map[key] = name
+                    total_bytes += _numel(shape) * _TAG_BYTES.get(tag, itemsize)
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -258,11 +311,17 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=None, help="generator threads (default: min(8, cores))")
     p.add_argument("--drafter-out", default=None, help="also write a random EAGLE-3 drafter into this folder")
     p.add_argument("--draft-vocab", type=int, default=None, help="drafter vocabulary (default: the preset's)")
+    p.add_argument("--fp8-block", type=int, default=None,
+                   help="write block-wise FP8 projections with N x N float32 scales (Qwen3-30B-A3B-FP8: 128)")
     args = p.parse_args(argv)
-    s = write_checkpoint(args.out, args.preset, args.layers, args.shard_size, args.seed, args.dtype, args.workers)
+    if args.fp8_block is not None and args.fp8_block < 1:
+        raise SystemExit(f"--fp8-block must be a positive int, got {args.fp8_block}")
+    s = write_checkpoint(args.out, args.preset, args.layers, args.shard_size, args.seed, args.dtype, args.workers,
+                         args.fp8_block)
     c = s["config"]
     print(f"wrote {args.out}: preset {args.preset}, {s['layers']} layers x {c['num_experts']} experts "
-          f"(top-{c['num_experts_per_tok']}), {s['shards']} shard(s), {s['file_bytes']:,} bytes "
+          f"(top-{c['num_experts_per_tok']}){f', FP8 {args.fp8_block}x{args.fp8_block} blocks' if args.fp8_block else ''}, "
+          f"{s['shards']} shard(s), {s['file_bytes']:,} bytes "
           f"({s['file_bytes'] / 1e9:.2f} GB) in {s['seconds']:.1f} s ({s['file_bytes'] / 1e9 / s['seconds']:.2f} GB/s)")
     if args.drafter_out:
         d = write_drafter(args.drafter_out, c, args.draft_vocab or PRESETS[args.preset]["draft_vocab_size"],

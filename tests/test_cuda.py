@@ -404,6 +404,40 @@ def seam_moe_experts(model):
     return hf_layers.moe_layers(model)[0].experts
 
 
+# --- FP8 experts ---------------------------------------------------------------------------------------------------
+def test_fp8_checkpoint_runs_on_any_compute_capability(tmp_path):
+    """Issue 39, 4: a block-wise FP8 checkpoint loads on this GPU whatever its compute capability (>= 8.9 too, where
+    transformers would run its FP8 kernels): the arenas and slots hold e4m3 bytes and scales, the experts are
+    dequantized on the device (bit for bit transformers' formula), the logits are the CPU's (the same dequantized
+    model, which tests/test_fp8.py holds against transformers' own load), and greedy decoding with either assistant
+    equals the model's plain generate()."""
+    from test_fp8 import write_fp8
+
+    from specfit.offload.formats import dequantize, quantize
+
+    write_fp8(tmp_path)
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 3
+    q, s = quantize(w, (16, 32))
+    for dtype in (torch.bfloat16, torch.float32):
+        want = (q.float().reshape(4, 16, 3, 32) * s[:, None, :, None]).to(dtype).reshape(64, 96)
+        assert torch.equal(dequantize(q.cuda(), s.cuda(), dtype).cpu(), want)
+    cpu = specfit.from_pretrained(tmp_path, cache_slots=4, dtype=torch.float32, device="cpu")
+    model = specfit.from_pretrained(tmp_path, cache_slots=4, dtype=torch.float32, device="cuda",
+                                    drafter=random_drafter(), cost_model=FREE_NODES)
+    rt = model.specfit
+    assert rt.store.format.name == "fp8" and rt.store.dtype == torch.uint8 and rt.store.is_pinned
+    assert rt.store.expert_bytes == cpu.specfit.store.expert_bytes < 3 * 32 * 64 * 2  # below bf16's
+    ids = torch.randint(2, 256, (1, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids.cuda()).logits.cpu(), cpu(ids).logits, rtol=1e-4, atol=1e-4)
+    model.generation_config.eos_token_id = None
+    kw = dict(max_new_tokens=12, do_sample=False)
+    expected = model.generate(ids.cuda(), **kw)
+    assert rt.stats.last_generate.misses > 0  # through the slot cache: FP8 rows copied, dequantized on the device
+    for assistant in ("eagle3", "specfit"):
+        assert torch.equal(model.generate(ids.cuda(), assistant=assistant, **kw), expected), assistant
+
+
 # --- the loader ---------------------------------------------------------------------------------------------------
 def test_loader_streams_a_sharded_checkpoint_onto_cuda(tmp_path):
     tiny_moe(seed=4).save_pretrained(tmp_path, max_shard_size="100KB")

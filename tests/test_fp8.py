@@ -78,13 +78,40 @@ def reference(folder, dtype):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
-def test_dequantize_matches_transformers_formula():
-    w = torch.randn(16, 32)
-    q, s = quantize(w, BLOCK)
-    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2)
-    blocks = q.float().reshape(2, 8, 2, 16) * s[:, None, :, None]
-    assert torch.equal(dequantize(q, s, torch.bfloat16), blocks.reshape(16, 32).to(torch.bfloat16))
-    assert (dequantize(q, s, torch.float32) - w).abs().max() < 0.07 * w.abs().max()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_matches_transformers_formula(dtype):
+    """Bit for bit ``(q.float() * s).to(dtype)`` (transformers' Fp8Dequantize), with every finite e4m3 value and
+    scales over many magnitudes: the two-pass form without a float32 temporary (CUDA's) rounds once, as the formula
+    does."""
+    w = torch.randn(2, 16, 32) * torch.tensor([1e-4, 30.0])[:, None, None]
+    q, s = (torch.stack(t) for t in zip(*(quantize(x, BLOCK) for x in w)))
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2, 2)
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    q.view(-1)[:254] = every[~every.float().isnan()]  # subnormals, zeros, the largest values
+    s = s * torch.exp(torch.randn(s.shape, generator=torch.Generator().manual_seed(0)) * 3)
+    blocks = q.float().reshape(2, 2, 8, 2, 16) * s[:, :, None, :, None]
+    want = blocks.reshape(2, 16, 32).to(dtype)
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+    for two_pass in (False, True):  # the CPU's default, and CUDA's (run here too)
+        got = dequantize(q, s, dtype, two_pass=two_pass)
+        assert got.dtype == dtype and torch.equal(got.view(bits), want.view(bits)), two_pass
+    q1, s1 = quantize(w[1], BLOCK)
+    assert (dequantize(q1, s1, torch.float32) - w[1]).abs().max() < 0.07 * w[1].abs().max()
+
+
+def test_fp8_checkpoints_load_on_gpus_with_fp8_kernels_too(monkeypatch):
+    """Issue 39, 4: compute capability >= 8.9 (where transformers would run its FP8 kernels) is no refusal: the
+    experts are dequantized on the device, and the loader says so at info level (below 8.9 and on a CPU, nothing)."""
+    from specfit.offload import loader
+
+    for capability, noted in (((9, 0), True), ((8, 9), True), ((8, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        note = loader._fp8_device_note(torch.device("cuda", 0), torch.bfloat16, "ckpt")
+        assert (note is not None) == noted
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "quantization_config.dequantize=true" in loader._fp8_device_note(torch.device("cuda"), torch.bfloat16, "x")
+    assert loader._fp8_device_note(torch.device("cpu"), torch.bfloat16, "ckpt") is None
+    assert not hasattr(loader, "_check_fp8_device")
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])

@@ -105,7 +105,8 @@ def add_arguments(p) -> None:
     p.add_argument("--force", action="store_true",
                    help="install the profile even when the fit fails the quality gate (enable() will warn)")
     p.add_argument("--plot", default=None,
-                   help="PNG of predicted vs measured cycle time (default: beside the profile; needs matplotlib)")
+                   help="PNG of predicted vs measured cycle time (default: beside the profile; needs matplotlib); "
+                        "'none': no plot")
     p.add_argument("--acceptance-only", action="store_true",
                    help="instead of the cost profile, fit the acceptance model's tables for the drafter: greedy and "
                         "sampling labels from the EAGLE-3 assistant on GSM8K train questions and CNN/DailyMail "
@@ -202,7 +203,8 @@ def main(args) -> int:
     written = install(cost, path, force=args.force)
     installed = written == path
     beside = str(path).removesuffix(".json") + ("" if installed else ".rejected") + ".png"
-    plot_fit(result, args.plot or beside)
+    if args.plot != "none":
+        plot_fit(result, args.plot or beside)
     return 0 if installed else 3
 
 

@@ -1,11 +1,14 @@
 """The real link's own time per expert copy on CUDA: the stored bytes of one expert copied from the pinned host arena
 to the device, timed with CUDA events. It prices the cost model's copies (``selection.profiles.link_seconds``):
-measured once per runtime, in well under a second, so a profile fitted on this GPU carries over to any slot count
+measured once per runtime, in well under a second, at its first use (the first ``generate(assistant="specfit")``,
+inside that call's prefill, or ``specfit calibrate``), so a profile fitted on this GPU carries over to any slot count
 and to experts of another size (an FP8 checkpoint copies half the bytes)."""
 
 from __future__ import annotations
 
 import torch
+
+from ..transfer import host_wait
 
 ROUNDS = 24  # timed copies; the median is kept (the first few warm the copy path up)
 
@@ -28,7 +31,7 @@ def copy_seconds(runtime, rounds: int = ROUNDS) -> float:
             target.copy_(source, non_blocking=True)
             end.record(stream)
             times.append((start, end))
-    stream.synchronize()  # once, at enable / first use: not on a decode path
+    host_wait(stream, "link bandwidth probe")  # once per runtime, at first use; counted once by the sync counters
     seconds = sorted(s.elapsed_time(e) / 1e3 for s, e in times[4:])
     runtime._link_copy_seconds = seconds[len(seconds) // 2]
     return runtime._link_copy_seconds

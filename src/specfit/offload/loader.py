@@ -10,6 +10,7 @@ most one shard is mapped at a time. Peak host memory is about the expert bytes p
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -35,6 +36,7 @@ _PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "input_linear": 
          "output_linear": "down_proj"}
 _FUSED_OF = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "gate_proj_scale_inv": "gate_up_proj_scale_inv",
              "up_proj_scale_inv": "gate_up_proj_scale_inv"}
+log = logging.getLogger("specfit")
 _QUANTIZED_SUFFIXES = ("_blocks", "_scales", "weight_scale_inv", ".qweight", ".scales")
 
 
@@ -90,7 +92,9 @@ def load_offloaded(path_or_id, *, dtype: torch.dtype | None = None, device=None,
     layers = hf_layers.moe_layers(model)
     fmt = stored_format(config, layers[0].layout, dtype, stored_dtype, where=str(path_or_id))
     if isinstance(fmt, BlockFP8Format):
-        _check_fp8_device(config, device, path_or_id)
+        note = _fp8_device_note(device, dtype, path_or_id)
+        if note is not None:
+            log.info(note)
         if layers[0].transposed:
             raise ValueError(f"{path_or_id}: block-wise FP8 experts of a transposed family "
                              f"({type(layers[0].experts).__name__}) are not supported")
@@ -201,19 +205,19 @@ def _key_of(part: str) -> str:
     return part + ".weight"
 
 
-def _check_fp8_device(config, device: torch.device, where) -> None:
-    """SpecFit computes FP8 experts as transformers does where it dequantizes them (a CPU, a GPU below compute
-    capability 8.9, or ``dequantize=True``); on a GPU where transformers runs its FP8 kernels it would not compute
-    the same, so it refuses rather than differ from the model a user would otherwise run."""
-    q = getattr(config, "quantization_config", None)
-    dequantized = bool(q.get("dequantize", False) if isinstance(q, dict) else getattr(q, "dequantize", False))
-    if device.type == "cpu" or dequantized:
-        return
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        return
-    raise ValueError(f"{where}: a block-wise FP8 checkpoint on {device} (compute capability >= 8.9), where "
-                     f"transformers computes with its FP8 kernels; SpecFit reproduces only its dequantizing path "
-                     f"(CPUs, GPUs below 8.9, or quantization_config.dequantize=true in config.json) so far")
+def _fp8_device_note(device: torch.device, dtype: torch.dtype, where) -> str | None:
+    """FP8 experts are computed as transformers computes a block-wise FP8 checkpoint where it dequantizes it (a CPU, a
+    GPU below compute capability 8.9, or ``quantization_config.dequantize=true``): ``(fp8.float() * scale).to(dtype)``
+    per block, on the device, then the dense math. Where transformers would run its FP8 kernels instead (compute
+    capability >= 8.9: H100, H200, L40S, RTX 4090/5090; they also quantize the activations), SpecFit computes the same
+    dequantized model, so its output equals transformers' with ``dequantize=true``; the note saying so (logged at
+    info), or None."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return (f"{where}: block-wise FP8 experts on {device} (compute capability {major}.{minor}) are dequantized on the "
+            f"device per use and computed in {dtype}, as transformers computes the checkpoint with "
+            f"quantization_config.dequantize=true (not with its FP8 kernels, which also quantize activations)")
 
 
 def _fp8_half(model, known: set, halves: dict, name: str, tensor: torch.Tensor, device, dtype, shard: Path) -> None:

@@ -12,7 +12,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 __all__ = ["EXPERTS_IMPL", "register_experts_implementation", "experts_implementation", "set_experts_implementation",
            "own_config", "restore_config", "expert_activation", "experts_forward_batched", "grouped_mm",
-           "experts_forward_grouped"]
+           "experts_forward_grouped", "transformers_experts_forward"]
 
 EXPERTS_IMPL = "specfit"
 
@@ -120,3 +120,15 @@ def _rows_of_groups(values: torch.Tensor, offs: torch.Tensor, rows: int) -> torc
     """values [N, D] per group -> [rows, D], each group's row repeated over its rows (``offs``: group ends)."""
     counts = torch.diff(offs, prepend=offs.new_zeros(1))  # [N]
     return values.repeat_interleave(counts, dim=0, output_size=rows)
+
+
+def transformers_experts_forward(experts: nn.Module, params: dict, hidden_states: torch.Tensor,
+                                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' own forward of ``experts``'s class (the eager per-expert loop its experts interface wraps) with
+    ``params`` (the module's own parameter names -> tensors, e.g. ``ExpertStore.checkpoint_tensors``) in place of
+    the module's parameters: a reference that shares no code with SpecFit's experts. ``experts`` is left as it was.
+    hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
+    forward = getattr(type(experts).forward, "__wrapped__", type(experts).forward)
+    view = copy.copy(experts)  # its own attribute dict; the same submodules (activation) and config
+    view.__dict__["_parameters"] = {name: nn.Parameter(t, requires_grad=False) for name, t in params.items()}
+    return forward(view, hidden_states, top_k_index, top_k_weights)
