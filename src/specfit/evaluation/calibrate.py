@@ -71,6 +71,11 @@ def add_arguments(p) -> None:
     p.add_argument("--default-link", type=float, nargs="?", const=1.0, default=None, metavar="RATIO",
                    help="the embedded model's structural default link (a token's expert copies = 1.4x its compute, "
                         "measured here), times RATIO (default 1): what the demo and the bench use")
+    p.add_argument("--host-ratio", type=float, default=None, metavar="RATIO",
+                   help="the probes' host-lane rounds (every cold expert computed on an emulated host lane, on a CPU): "
+                        "the embedded model's structural default host lane at RATIO x the link's bandwidth (default "
+                        "2.5, and the same at half its bandwidth); 0: no host-lane rounds (the profile then prices "
+                        "host experts at the lane's own time)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None,
@@ -113,7 +118,8 @@ def main(args) -> int:
             bar.refresh()
 
         result = calibrate(model, prompts, probes=args.probes, repeats=args.repeats, seed=args.seed,
-                           max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress)
+                           max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress,
+                           lanes=_probe_lanes(args, model))
     cost = result.cost
     path = Path(args.out or profile_path(cost.meta["device"], cost.meta["model_key"]))
     print(describe(cost))
@@ -205,11 +211,17 @@ def describe(cost: CostModel) -> str:
 
     lines = [f"device      {m.get('device')}", f"model       {m.get('model_key', m.get('model_id'))}",
              f"probes      {probes.get('slots')} slots ({probes.get('cache_mode')}), links: "
-             f"{', '.join(probes.get('links', []))}; one profile for every slot count and link",
+             f"{', '.join(dict.fromkeys(probes.get('links', [])))}"
+             + (f", host lanes: {', '.join(lane for lane in probes['lanes'] if lane)}"
+                if any(probes.get("lanes") or ()) else "")
+             + "; one profile for every slot count, link and host lane",
              f"compute     {cost.beta * 1e3:.4f} ms per expert computed (beta)"]
     if cost.prices_copies:
         lines.append(f"copy        {cost.copy_overhead * 1e3:.4f} ms per expert copied + {cost.link_share:.2f} x the "
                      f"link's time per copy ({cost.copy * 1e3:.4f} ms at the probes' link)")
+    if cost.prices_host:
+        lines.append(f"host        {cost.host_overhead * 1e3:.4f} ms per host expert + {cost.host_share:.2f} x the "
+                     f"lane's time per expert ({cost.host * 1e3:.4f} ms at the probes' lane)")
     lines += [f"intercepts  {ms(cost.intercepts)} ms (n = 0..)",
               f"drafting    {ms(cost.draft_level_seconds)} ms per level (1..), included in every intercept"
               if cost.draft_levels else "drafting    not modelled per level",
@@ -280,9 +292,8 @@ def plot_fit(result: Calibration, path) -> None:
 
 
 def _predict(cost: CostModel, record: Record) -> float:
-    """A record's predicted seconds, its copies priced at the link it ran over."""
-    priced = cost.priced(record.link_seconds) if cost.prices_copies else cost
-    return priced.predict(record.n_nodes, record.demand, misses=record.misses)
+    """A record's predicted seconds, its copies priced at the link it ran over, its host experts at its lane."""
+    return cost.record_seconds(record)
 
 
 SLOT_SHARE = 48 / 128  # --slots by default: the paper's headline setting, 48 of Qwen3-30B-A3B's 128 experts per layer
@@ -296,6 +307,25 @@ def default_slots(config) -> int:
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             return max(1, round(n * SLOT_SHARE))
     raise ValueError("cannot tell the model's experts per layer from its config; pass --slots N")
+
+
+def _probe_lanes(args, model):
+    """The host lanes of the probes' host rounds: ``--host-ratio`` (0: none; R: the structural default host lane at
+    R x the link), else the probes' default (``probes.probe_lanes``)."""
+    from .. import embedded
+    from .probes import probe_lanes, probe_links
+
+    if args.host_ratio is None:
+        return None
+    if not (args.host_ratio >= 0 and args.host_ratio < float("inf")):
+        raise ValueError(f"--host-ratio must be a finite number >= 0 (0: no host-lane rounds), got {args.host_ratio}")
+    if args.host_ratio == 0:
+        return []
+    link = probe_links(model)[-1]
+    if link is None or not embedded.is_embedded(model):
+        raise ValueError("--host-ratio sets the embedded model's structural host lane beside an emulated link; this "
+                         "run has no emulated link or is not the embedded model (give --host-ratio 0, or none)")
+    return probe_lanes(model, embedded.default_host(args.host_ratio, link))
 
 
 def _load(args):

@@ -56,6 +56,10 @@ def add_arguments(p) -> None:
     p.add_argument("--link-ms", type=float, default=None,
                    help="emulated ms per expert copy (default: measured at start so that a token's full expert demand "
                         "costs 1.4x its compute, as on the paper's A100)")
+    p.add_argument("--host-ratio", type=float, default=None, metavar="RATIO",
+                   help="emulated host lane: the host reads experts RATIO x as fast as the link copies them (default "
+                        "2.5, a PCIe 4.0 host: specfit.embedded.default_host); 0: no host lane, every expert that "
+                        "misses the slot cache is copied")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
 
@@ -72,6 +76,13 @@ def check_arguments(args, num_experts: int) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.link_ms is not None and not (math.isfinite(args.link_ms) and args.link_ms >= 0):
         raise ValueError(f"--link-ms must be a finite number of milliseconds >= 0 (0: a free link), got {args.link_ms}")
+    host_ratio = getattr(args, "host_ratio", None)
+    if host_ratio is not None and not (math.isfinite(host_ratio) and host_ratio >= 0):
+        raise ValueError(f"--host-ratio must be a finite number >= 0 (the host's expert bandwidth as a multiple of "
+                         f"the link's; 0: no host lane), got {host_ratio}")
+    if host_ratio and args.link_ms == 0:
+        raise ValueError("--host-ratio scales the host lane to the link, and --link-ms 0 makes copies free: give "
+                         "--host-ratio 0 (no host lane) with a free link")
     if args.prompt is not None and not all(text.strip() for text in args.prompt):
         raise ValueError("--prompt needs a non-empty TEXT")
 
@@ -109,10 +120,12 @@ def main(args) -> int:
     torch.set_num_threads(args.threads)  # this command owns its process: the count that suits the model (--threads)
     link, how = link_seconds(args.link_ms)
     args.link_ms = embedded.link_seconds_per_expert(link) * 1e3  # per bf16 expert (the default link is per byte)
+    host = host_lane(args, link)
     print(f"SpecFit demo: the embedded Qwen3-MoE ({config.num_experts} experts, top-{config.num_experts_per_tok}, "
           f"{config.num_hidden_layers} layers) with its EAGLE-3 drafter, experts in host memory, {args.slots} slots "
           f"per layer, CPU with an emulated host link of {args.link_ms:.3f} ms per expert copy ({how}; emulated: not "
           f"GPU speed), {args.threads} CPU thread{'s' if args.threads != 1 else ''} (--threads).")
+    print(host_line(host))
     print("The embedded model is a small model trained by this project only to show the method: its text is not "
           "meant to be good. What matters is that all three methods write the same tokens, and how fast.")
     print(f"Where SpecFit pays: when expert copies are dear - few slots per layer (here {args.slots} of "
@@ -123,7 +136,7 @@ def main(args) -> int:
         print(missing + "\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        instances, tokenizer = load_instances(list(METHODS), args.slots, link, fp8=args.fp8)
+        instances, tokenizer = load_instances(list(METHODS), args.slots, link, fp8=args.fp8, host=host)
         tables, verdicts = [], []
         for workload, prompts in texts.items():
             per_prompt = {m: [] for m in METHODS}
@@ -140,7 +153,8 @@ def main(args) -> int:
             name = WORKLOADS.get(workload, workload)
             verdicts.append(f"  {name}: {verdict(per_prompt)}")
             tables.append(result.format(f"[{workload}] {args.slots} slots of {config.num_experts}, CPU, emulated "
-                                        f"host link (not GPU speed), {len(prompts)} prompt"
+                                        f"host link{' and host lane' if host else ''} (not GPU speed), "
+                                        f"{len(prompts)} prompt"
                                         f"{'s' if len(prompts) != 1 else ''}"))
     for table in tables:
         print(table + "\n")
@@ -156,6 +170,28 @@ def main(args) -> int:
     print(f"({time.time() - started:.0f} s in all. Your own prompt: specfit demo --prompt TEXT; in Python: "
           f"specfit.compare(model, tokenizer, prompts) on your own model; `specfit bench` runs the full table.)")
     return 0
+
+
+def host_lane(args, link):
+    """The emulated host lane of a demo or bench run: ``--host-ratio`` x the link's bandwidth (default: the
+    structural 2.5x), or None (``--host-ratio 0``, or a free link: every cold expert is copied)."""
+    from .. import embedded
+
+    ratio = embedded.HOST_TO_LINK if getattr(args, "host_ratio", None) is None else args.host_ratio
+    if ratio <= 0 or link is None or not link.copy_time(embedded.bf16_expert_bytes()) > 0:
+        return None
+    return embedded.default_host(ratio, link)
+
+
+def host_line(host) -> str:
+    """What the host lane is, for the run's header."""
+    from .. import embedded
+
+    if host is None:
+        return "No host lane (--host-ratio 0): every expert that misses the slot cache is copied over the link.\n"
+    ms = host.expert_time(embedded.bf16_expert_bytes(), 1) * 1e3
+    return (f"Host lane: {host.label}, {ms:.3f} ms per host expert at one token (emulated: the CPU computes it, the "
+            f"lane's time is set); every method computes cold experts where predicted cheaper (cold='auto').\n")
 
 
 def _clip(text: str, n: int = 300) -> str:

@@ -28,6 +28,7 @@ class Method:
     cleared: bool = False  # slot cache emptied before every forward (the paper's "vanilla")
     options: tuple = ()  # decoding options, as (name, value) pairs
     generate: tuple = ()  # generate() keywords of the method, as (name, value) pairs
+    cold: str | None = None  # where its cold experts are computed (enable's cold=); None: the default
 
 
 METHODS = {
@@ -47,6 +48,11 @@ METHODS = {
     "specfit-paper-cost": Method("SpecFit, paper cost", "specfit", options=(("cost", "paper"),)),
     # transformers' own prompt-lookup decoding on the same offloaded model: what a user tries first, no drafter
     "prompt-lookup": Method("Prompt lookup (10)", None, generate=(("prompt_lookup_num_tokens", 10),)),
+    # every cold expert copied, beside a host lane (cold="copy": SpecFit before the host lane), or computed on it
+    "ar-copy": Method("AR, copies only", None, cold="copy"),
+    "eagle3-copy": Method("EAGLE-3, copies only", "eagle3", cold="copy"),
+    "specfit-copy": Method("SpecFit, copies only", "specfit", cold="copy"),
+    "ar-host": Method("AR, host only", None, cold="host"),
     # the limit of any subtree rule: verifies the path the target accepts, found by a look-ahead (evaluation/oracle)
     "acceptance-oracle": Method("Acceptance oracle*", "acceptance-oracle"),
 }
@@ -110,10 +116,12 @@ class Row:
         return asdict(self)
 
 
-def load_instances(methods, slots: int | None, link, prepare=None, fp8: bool = False) -> tuple[dict, object]:
+def load_instances(methods, slots: int | None, link, prepare=None, fp8: bool = False,
+                   host=None) -> tuple[dict, object]:
     """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared). ``link``: a
-    ``LinkConfig``, seconds per expert copy, or None. ``prepare(model, method)`` runs before the method's decoding
-    options are set (``specfit bench`` calibrates a missing cost profile there)."""
+    ``LinkConfig``, seconds per expert copy, or None. ``host``: an emulated host lane (``HostConfig``) or None; a
+    method's ``cold`` (else the default: ``"auto"`` with a lane). ``prepare(model, method)`` runs before the method's
+    decoding options are set (``specfit bench`` calibrates a missing cost profile there)."""
     from transformers import AutoConfig
 
     from .. import embedded
@@ -127,7 +135,8 @@ def load_instances(methods, slots: int | None, link, prepare=None, fp8: bool = F
         if isinstance(link, (int, float)):
             link = LinkConfig(seconds_per_expert=link) if link else None
         model, tokenizer = embedded.load(n, cache_mode="cleared" if method.cleared or slots is None else "cached",
-                                         link=link, fp8=fp8)  # fp8: the FP8 variant (embedded.fp8)
+                                         link=link, host=host, cold=method.cold,
+                                         fp8=fp8)  # fp8: the FP8 variant (embedded.fp8)
         if prepare is not None:
             prepare(model, method)
         if method.options:

@@ -2,10 +2,12 @@
 instead of the module's own (released) parameters.
 
 Per layer and forward: the routes reach the host once (the one planned host sync: the layer's experts are known
-only then); the host plans everything else — which experts are hits, loads or streamed, and for each group of
+only then; with a host lane in use the layer's rows come with them, in the same transfer); the host plans everything
+else — which experts are hits, copies (loads or streamed) or host experts (``cold.py``), and for each group of
 experts that become ready together (``LayerCache.ready``), which rows each reads and where its outputs go — and sends
-those indices to the device in one transfer that does not stop the host (``transfer.Staging``). Compute then runs a
-few batched calls per group, the hits' compute overlapping the misses' copies:
+those indices to the device in one transfer that does not stop the host (``transfer.Staging``). The host experts go
+to the host lane (``host_compute.py``), which computes them beside the device; compute on the device then runs a few
+batched calls per group, the hits' compute overlapping the misses' copies and the host lane:
 
 - *gathered* (CPU, and CUDA where grouped matmuls cannot run): each group's rows padded to its busiest expert's count
   and one ``bmm`` per projection over the group's weights, gathered from the slots (a view when they are consecutive);
@@ -13,8 +15,9 @@ few batched calls per group, the hits' compute overlapping the misses' copies:
   sorted by slot and per-slot offsets, so no weight is copied on the device (transformers' grouped_mm path does the
   same over its parameters).
 
-The result does not depend on which experts were resident: every (token, k) contribution is written to its own row
-and the k rows of a token are summed in a fixed order at the end, as transformers' batched path does.
+The result does not depend on which experts were resident or where they were computed: every (token, k)
+contribution, the host lane's included, is written to its own row and the k rows of a token are summed in a fixed
+order at the end, as transformers' batched path does.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from ..seam import experts as hf_experts
 from ..transfer import to_host
+from .cold import ReuseEstimate, choose_host
 
 ATTR = "_specfit"  # attribute on each patched experts module, pointing to its LayerRuntime
 log = logging.getLogger("specfit")
@@ -36,29 +40,47 @@ class LayerRuntime:
     def __init__(self, runtime, index: int, cache):
         # runtime: the SpecFitRuntime (model.specfit); cache: this layer's LayerCache; index: 0-based among MoE layers
         self.runtime, self.index, self.cache = runtime, index, cache
+        self.reuse = ReuseEstimate()  # how often this layer's experts were used lately ("auto" values copies by it)
 
     def forward(self, module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         rt = self.runtime
         num_tokens, top_k = top_k_index.shape
         rt.routes.record(self.index, top_k_index)
-        flat = to_host(top_k_index.reshape(-1))[0]  # [T*k] the one planned host sync per layer
+        lane = None if rt.untracked else rt.lane_for(num_tokens)  # None: every cold expert is copied
+        # [T*k] the one planned host sync per layer; with a lane, the rows [T, H] on the host come with it
+        flat, x_host = routes_to_host(top_k_index, hidden_states, lane is not None)
         rows = rows_by_expert(flat)  # expert -> its (token, k) rows, on the host: no device bincount
         needed = sorted(rows)
+        host = []
         if rt.untracked:
             groups, weights = [("untracked", needed, None)], [self._untracked(needed)]
             ready = iter([None])
         else:
-            fetch = self.cache.start(needed, rt.forward_counters)
+            if lane is not None:
+                host = self._cold(needed, rows)
+            self.reuse.observe(needed)
+            on_host = set(host)
+            device = [e for e in needed if e not in on_host]
+            fetch = self.cache.start(device, rt.forward_counters, host=len(host))
             groups, weights, ready = fetch.groups, None, self.cache.ready(fetch)
         grouped = rt.grouped_experts and weights is None
         plans = [plan_group(rows, top_k, len(flat), experts, slots, grouped and slots is not None,
                             self.cache.num_slots) for kind, experts, slots in groups]
-        # every index of the layer in one host -> device transfer: rows to read, rows to write, slots (or offsets)
-        index = rt.staging.to_device(*[a for p in plans for a in p.arrays()])
+        runs = consecutive_runs(host)  # each run's weights: one view of the arena, no copy
+        host_plans = [plan_group(rows, top_k, len(flat), run, None, False, 0) for run in runs]
+        host_dest = [d for p in host_plans for d in p.dest]
+        # every index of the layer in one host -> device transfer: rows to read, rows to write, slots (or offsets),
+        # then where the host lane's outputs go
+        index = rt.staging.to_device(*[a for p in plans for a in p.arrays()], *([host_dest] if host else []))
         index = [index] if isinstance(index, torch.Tensor) else list(index)
         hidden = hidden_states.shape[-1]
         out = hidden_states.new_empty(num_tokens * top_k + 1, hidden)  # [T*k + 1, H]: the last row takes padding
+        ticket = None
+        if host:  # after the copies were issued (the link runs), before the device's compute (the lane runs beside)
+            nbytes = rt.store.expert_bytes
+            ticket = lane.submit(host_work(module, rt.store, self.index, x_host, runs, host_plans),
+                                 [(nbytes, len(rows[e])) for e in host], rt.forward_counters)
         for g, ((kind, experts, slots), plan) in enumerate(zip(groups, plans)):
             group = next(ready)
             take, dest, extra = index[3 * g: 3 * g + 3]
@@ -74,8 +96,28 @@ class LayerRuntime:
             out.index_copy_(0, dest, y.reshape(-1, hidden))
         for _ in ready:  # the last group's waits are done; close the generator (marks the scratch ring free)
             pass
+        if ticket is not None:  # the host lane's outputs join the device's rows before the fixed-order sum
+            out.index_copy_(0, index[-1], lane.join(ticket, rt.forward_counters))
         out = out[:-1] * top_k_weights.reshape(-1, 1).to(out.dtype)
         return out.view(num_tokens, top_k, hidden).sum(dim=1)
+
+    def _cold(self, needed: list[int], rows: dict[int, list[int]]) -> list[int]:
+        """The experts of ``needed`` this forward computes on the host lane: none (``cold="copy"``), every one not
+        resident (``"host"``), or those ``cold.choose_host`` picks (``"auto"``)."""
+        rt, lru = self.runtime, self.cache.lru
+        cold = [e for e in needed if lru.slot_of(e) is None]
+        if not cold or rt.cold != "auto":
+            return cold if rt.cold == "host" else []
+        resident = lru.resident  # expert -> slot, least recently used first: the order loads evict in
+        used = set(needed)
+        victims = [0.0] * (lru.num_slots - len(resident))  # free slots first, then the LRU residents not used now
+        for v in resident:
+            if len(victims) >= len(cold):
+                break
+            if v not in used:
+                victims.append(self.reuse.reuse(v))
+        return choose_host(cold, {e: len(rows[e]) for e in cold}, rt.copy_seconds(), rt.host_seconds,
+                           self.reuse.reuse, victims, rt.link_busy())
 
     def _untracked(self, needed: list[int]) -> torch.Tensor:
         """The needed experts' weights [n, numel] straight from the arena, for the route oracle's measurement
@@ -89,6 +131,52 @@ class LayerRuntime:
         for i, e in enumerate(needed):
             buf[i].copy_(arena[e], non_blocking=True)
         return buf
+
+
+def routes_to_host(top_k_index: torch.Tensor, hidden_states: torch.Tensor, with_rows: bool):
+    """(flat routes [T*k] as NumPy, the rows [T, H] on the host or None): one transfer, the layer's one planned host
+    sync. The rows come only ``with_rows`` (a host lane may compute some of the layer's experts); on a CPU device
+    they are the rows themselves (no copy)."""
+    if not with_rows:
+        return to_host(top_k_index.reshape(-1))[0], None
+    if hidden_states.device.type == "cpu":
+        return to_host(top_k_index.reshape(-1))[0], hidden_states
+    # as bytes: NumPy has no bfloat16; viewed back as the compute dtype on the host
+    flat, raw = to_host(top_k_index.reshape(-1), hidden_states.contiguous().view(torch.uint8))
+    return flat, torch.from_numpy(raw).view(hidden_states.dtype)
+
+
+def host_work(module, store, layer: int, x_host: torch.Tensor, runs: list[list[int]], plans: list):
+    """The host lane's work for one layer: each run of consecutive host experts computed from its arena rows (a
+    view, as stored: FP8 dequantized per use) on the rows ``plans`` take, as the device computes a gathered group.
+    Returns a function giving their outputs [R, H] on the host, in ``plans``' dest order."""
+    arena = store.arenas[layer]  # [E, numel] in host memory
+
+    def work() -> torch.Tensor:
+        out = []
+        for run, plan in zip(runs, plans):
+            x = x_host.index_select(0, torch.as_tensor(plan.take))  # [n*C, H]
+            parts = store.compute_parts(arena[run[0]: run[-1] + 1])  # [n, ...] in the compute dtype
+            y = hf_experts.experts_forward_batched(module, x.view(len(run), plan.width, -1), *parts)  # [n, C, H]
+            out.append(y.reshape(-1, x.shape[-1]))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    return work
+
+
+def consecutive_runs(experts: list[int]) -> list[list[int]]:
+    """Ascending ids split into runs of consecutive ones.
+
+    >>> consecutive_runs([1, 2, 3, 7, 9, 10])
+    [[1, 2, 3], [7], [9, 10]]
+    """
+    runs: list[list[int]] = []
+    for e in experts:
+        if runs and runs[-1][-1] == e - 1:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs
 
 
 class GroupPlan:
