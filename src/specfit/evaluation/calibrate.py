@@ -389,3 +389,4 @@ def _prompt_ids(args, tokenizer, model) -> list[torch.Tensor]:
                  for r in rows[: args.num_prompts]]
     else:
         raise ValueError(f"--prompts must be gsm8k, cnn, random or a .jsonl file, got {args.prompts!r}")
+    return [tokenizer(t, return_tensors="pt").input_ids.to(device) for t in texts]

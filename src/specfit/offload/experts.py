@@ -133,13 +133,14 @@ class LayerRuntime:
         return buf
 
 
-def routes_to_host(top_k_index: torch.Tensor, hidden_states: torch.Tensor, with_rows: bool):
+def routes_to_host(top_k_index: torch.Tensor, hidden_states: torch.Tensor, with_rows: bool,
+                   as_bytes: bool | None = None):
     """(flat routes [T*k] as NumPy, the rows [T, H] on the host or None): one transfer, the layer's one planned host
-    sync. The rows come only ``with_rows`` (a host lane may compute some of the layer's experts); on a CPU device
-    they are the rows themselves (no copy)."""
+    sync. The rows come only ``with_rows`` (a host lane may compute some of the layer's experts), packed as bytes
+    beside the routes (``as_bytes``; default: on a device other than the CPU, where they are the rows themselves)."""
     if not with_rows:
         return to_host(top_k_index.reshape(-1))[0], None
-    if hidden_states.device.type == "cpu":
+    if not (hidden_states.device.type != "cpu" if as_bytes is None else as_bytes):
         return to_host(top_k_index.reshape(-1))[0], hidden_states
     # as bytes: NumPy has no bfloat16; viewed back as the compute dtype on the host
     flat, raw = to_host(top_k_index.reshape(-1), hidden_states.contiguous().view(torch.uint8))
