@@ -22,15 +22,10 @@ import time
 from pathlib import Path
 
 import torch
+from forecast_goals import held_out  # the same held-out prompts as issue 27's goals
 
 METHODS = ("ar-copy", "ar", "eagle3", "specfit")
 MORE = ("ar-host", "specfit-copy")
-
-
-def held_out(workload: str, n: int, offset: int) -> list[str]:
-    from specfit.evaluation import datasets
-
-    return datasets.prompts(workload, offset + n, max_chars=1500)[offset:]
 
 
 def cell(slots: int, link, host, prompts: list[str], tokens: int, methods) -> dict:

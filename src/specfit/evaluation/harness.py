@@ -101,6 +101,9 @@ class Row:
     forecast_over_real: float | None = None  # the cost model's predicted seconds / decode seconds (None: no forecast)
     mib_per_token: float = 0.0  # MiB copied host-to-device per new token
     copy_wait_share: float = 0.0  # share of decode time the host was blocked by copies (see Counters.copy_wait_share)
+    hits_per_token: float = 0.0  # experts found in a slot per new token
+    host_per_token: float = 0.0  # experts computed on the host lane per new token
+    host_wait_share: float = 0.0  # share of decode time the host waited for the host lane
 
     @classmethod
     def of(cls, method, workload, slots, regime, prompts, c: Counters, call_seconds: float = 0.0) -> "Row":
@@ -110,7 +113,8 @@ class Row:
                    per_token(c.prefetch_copies), per_token(c.prefetch_wasted), c.measurement_seconds,
                    c.tokens_per_second_excluding_measurement, c.prefill_seconds, c.end_to_end_tokens_per_second,
                    c.expected_over_committed, c.new_tokens / call_seconds if call_seconds else 0.0,
-                   c.forecast_over_real, c.mib_copied_per_token, c.copy_wait_share)
+                   c.forecast_over_real, c.mib_copied_per_token, c.copy_wait_share, c.hits_per_token,
+                   c.host_experts_per_token, c.host_wait_share)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -242,13 +246,17 @@ LEGEND = ("call tok/s: new tokens per second of whole generate() calls, wall clo
           "forecast matches the clock; -: the method forecasts no time)",
           "MiB/tok: MiB copied host-to-device per new token; hit rate: experts needed that were already in a slot",
           "copy wait: share of decode time the host was blocked by copies (CPU, emulated link included: the whole "
-          "stall; CUDA: the issue time only, the device-side wait is in tok/s)")
+          "stall; CUDA: the issue time only, the device-side wait is in tok/s)",
+          "hits/tok, host/tok, host wait (with a host lane): experts per token found in a slot and computed on the "
+          "host lane, and the share of decode time the host waited for the lane (CPU: an emulated lane)")
 
 
 def format_table(rows: list[Row], title: str) -> str:
     measured = any(r.measurement_s > 0 for r in rows)
+    hosted = any(r.host_per_token for r in rows)
     head = (f"{'method':<25}{'call tok/s':>11}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}"
             f"{'copies/tok':>12}{'MiB/tok':>9}{'copy wait':>11}{'hit rate':>10}{'exp/real':>10}{'fcst/real':>11}")
+    head += f"{'hits/tok':>10}{'host/tok':>10}{'host wait':>11}" if hosted else ""
     head += f"{'tok/s excl. oracle*':>21}" if measured else ""
     lines = [title, head, "-" * len(head)]
     for r in rows:
@@ -256,6 +264,8 @@ def format_table(rows: list[Row], title: str) -> str:
                 f"{r.tokens_per_cycle:>9.2f}{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}{r.mib_per_token:>9.2f}"
                 f"{r.copy_wait_share:>11.1%}{r.hit_rate:>10.1%}{r.expected_over_committed:>10.2f}"
                 f"{'-' if r.forecast_over_real is None else f'{r.forecast_over_real:.2f}':>11}")
+        if hosted:
+            line += f"{r.hits_per_token:>10.1f}{r.host_per_token:>10.1f}{r.host_wait_share:>11.1%}"
         if measured:
             line += f"{r.tok_s_excluding_measurement:>21.1f}" if r.measurement_s > 0 else f"{'':>21}"
         lines.append(line)
