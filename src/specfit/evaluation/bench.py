@@ -80,9 +80,10 @@ def add_arguments(p) -> None:
     p.add_argument("--map-prompts", type=int, default=6, help="prompts per workload in each cell of the regime map")
     p.add_argument("--map-tokens", type=int, default=None,
                    help="tokens generated per prompt in the regime map (default: --max-new-tokens)")
-    p.add_argument("--map-ratios", nargs="+", type=float, default=list(regime_map.MAP_RATIOS),
+    p.add_argument("--map-ratios", nargs="*", type=float, default=list(regime_map.MAP_RATIOS),
                    help="link costs of the map: copying one token's full expert demand costs this many times its "
-                        "compute (1.4: the paper's A100, the default link; 0: no link)")
+                        "compute (1.4: the paper's A100, the default link; 0: no link; none given: the host axis "
+                        "alone)")
     p.add_argument("--map-slots", nargs="+", type=int, default=list(regime_map.MAP_SLOTS), help="slot counts of the map")
     p.add_argument("--map-host-ratios", nargs="*", type=float, default=list(regime_map.MAP_HOST_RATIOS),
                    help="the map's host axis: host lane bandwidths as multiples of the link's, at the default link "

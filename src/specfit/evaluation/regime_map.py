@@ -92,8 +92,9 @@ def run(args, workloads, link, link_ratio: float, out_dir: Path, prepare=None) -
                     runs = side_by_side(instances, ids, tokens, on_prompt=lambda i: bar.update(1))
                     cells.append(map_cell(ratio, slots, w, len(ids) - 1, runs))
     host_cells = run_host_axis(args, prompts, tokens, link, link_ratio, prepare)
-    print(report(cells))
-    plot(cells, out_dir / "regime_map.png")
+    if cells:
+        print(report(cells))
+        plot(cells, out_dir / "regime_map.png")
     if host_cells:
         print(report_host(host_cells))
         plot(host_cells, out_dir / "regime_map_host.png", host=True)
