@@ -228,6 +228,8 @@ def probe_lanes(model, host=None) -> list:
     from dataclasses import replace
 
     runtime = model.specfit
+    if not getattr(runtime.store.format, "host_path", False):
+        return []  # a stored format the host lane cannot compute: always copied
     if runtime.device.type == "cuda":
         return [True] if runtime.lane is not None else []
     host = host if host is not None else runtime.config.host

@@ -88,6 +88,10 @@ class Timeline:
         sleep_until(ready_at)
         return max(0.0, time.perf_counter() - t0)
 
+    def busy(self) -> float:
+        """Seconds of work still queued ahead of anything queued now."""
+        return max(0.0, self._free_at - time.perf_counter())
+
     def reset(self) -> None:
         self._free_at = 0.0
 

@@ -120,8 +120,7 @@ class SpecFitRuntime:
 
     def link_busy(self) -> float:
         """Seconds of copies the emulated link still has queued (prefetches), 0 elsewhere."""
-        link = self.engine.link
-        return max(0.0, link._free_at - time.perf_counter()) if link is not None else 0.0
+        return self.engine.link.busy() if self.engine.link is not None else 0.0
 
     def _measure_lane(self) -> None:
         """Time the real host lane on expert 0 of the first MoE layer, at 1 and 32 tokens (once per runtime)."""
