@@ -184,6 +184,20 @@ def test_assistants_are_lossless_on_fp8(fp8):
         assert torch.equal(got, want), assistant
 
 
+def test_the_host_lane_dequantizes_fp8_per_use_and_stays_lossless(fp8):
+    """FP8 experts computed on the host lane from their arena rows as stored (dequantized per use, as the device
+    does): greedy output equals transformers' own FP8 load, with every cold expert on the host, or chosen per expert."""
+    from specfit.offload.host_lane import HostConfig
+
+    ids = torch.randint(2, 256, (1, 9), generator=torch.Generator().manual_seed(6))
+    want = reference(fp8, torch.float32).generate(ids, max_new_tokens=10, do_sample=False)
+    for cold in ("host", "auto"):
+        model = specfit.from_pretrained(fp8, cache_slots=3, dtype=torch.float32, link=1e-4,
+                                        host=HostConfig(bandwidth=1e9), cold=cold)
+        assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), want), cold
+        assert model.specfit.stats.last_generate.host_experts > 0
+
+
 @pytest.mark.parametrize("method", ["mxfp4", "gptq", "awq", "bitsandbytes"])
 def test_other_quantizations_are_refused_by_name(tmp_path, method):
     tiny_moe(seed=1).save_pretrained(tmp_path)

@@ -16,6 +16,7 @@ _LAZY = {
     "from_pretrained": "specfit.patch",
     # offload
     "LinkConfig": "specfit.offload.link",
+    "HostConfig": "specfit.offload.host_lane",
     "OffloadConfig": "specfit.offload.config",
     "Stats": "specfit.stats",
     "Counters": "specfit.stats",

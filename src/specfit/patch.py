@@ -26,7 +26,10 @@ from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
 from .offload import checkpoint, moves
 from .offload.config import OffloadConfig
+from .offload.cold import check_cold
 from .offload.experts import ATTR, COMPILE_REASON, specfit_experts_forward
+from .offload.formats import host_path_formats
+from .offload.host_lane import HostConfig
 from .offload.link import LinkConfig
 from .offload.loader import load_offloaded
 from .offload.runtime import SpecFitRuntime
@@ -39,14 +42,21 @@ from .selection.route_sources import choose_route_source
 
 
 def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str = "cached",
-           link: LinkConfig | float | None = None, pin: bool | str = "auto", device=None, drafter=None,
-           store: ExpertStore | None = None, **decoding) -> nn.Module:
+           link: LinkConfig | float | None = None, cold: str | None = None, host: HostConfig | float | None = None,
+           pin: bool | str = "auto", device=None, drafter=None, store: ExpertStore | None = None,
+           **decoding) -> nn.Module:
     """Offload ``model``'s routed experts to host memory with ``cache_slots`` device slots per MoE layer.
 
     Args:
         cache_slots: expert slots per layer on the compute device, 1..num_experts (the paper: 48, 24 or 12 of 128).
         cache_mode: ``"cached"`` (LRU across forwards) or ``"cleared"`` (slots emptied before every forward).
         link: an emulated host link for CPU studies: a ``LinkConfig`` or seconds per expert copy.
+        cold: where experts that miss the slot cache are computed: ``"copy"`` (copied into a slot, then computed on
+            the device), ``"host"`` (computed on the host CPU from host memory), ``"auto"`` (per expert, by
+            predicted time). Default: ``"auto"`` where a host lane exists (CUDA; a CPU given ``host=``), else
+            ``"copy"``.
+        host: an emulated host lane for CPU studies: a ``HostConfig`` or the host's bandwidth in bytes/s
+            (``specfit.embedded.default_host()`` for the embedded model's structural default).
         pin: pin the host arenas in place (CUDA only); ``"auto"`` pins when CUDA is available.
         device: the compute device; defaults to where the model's embeddings are.
         drafter: an EAGLE-3 drafter (module or checkpoint path) for ``generate(..., assistant=...)``.
@@ -63,10 +73,11 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     first = layers[0]
     num_experts = first.num_experts
     _check_slots(cache_slots, num_experts)
-    link = _link_config(link)
-    config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin)
+    link, host = _link_config(link), _host_config(host)
     device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
     _check_link_device(link, device)
+    cold = _cold_mode(cold, host, device, store.format if store is not None else None)
+    config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin, cold=cold, host=host)
     _check_weights_in_memory(model)
 
     # disable() gives the experts back as parameters where they were; a model built by from_pretrained never had
@@ -86,6 +97,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     plans = hf_layers.hide_expert_plans(model)  # the parallel plans name only tensors the model holds
 
     runtime = SpecFitRuntime(store, config, device)
+    runtime.experts_module = first.experts  # the real host lane is timed on it
     for moe, layer_rt in zip(layers, runtime.layers):
         setattr(moe.experts, ATTR, layer_rt)
     previous_impl = hf_experts.experts_implementation(model)
@@ -134,6 +146,8 @@ def disable(model: nn.Module) -> nn.Module:
 def _disable(model: nn.Module, runtime) -> nn.Module:
     detach_decoding(model)
     runtime.engine.close()  # no copy may still be writing into slots or reading the arenas
+    if runtime.lane is not None:
+        runtime.lane.close()  # nor the host lane's worker reading them
     r = runtime._restore
     for handle in r["hooks"]:
         handle.remove()
@@ -219,9 +233,12 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
     _decoding_options(enable_kwargs)
     _check_slots(cache_slots)
     enable_kwargs["link"] = link = _link_config(enable_kwargs.get("link"))
-    OffloadConfig(cache_slots=cache_slots, cache_mode=enable_kwargs.get("cache_mode", "cached"), link=link, pin=pin)
+    enable_kwargs["host"] = host = _host_config(enable_kwargs.get("host"))
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     _check_link_device(link, device)
+    cold = _cold_mode(enable_kwargs.get("cold"), host, device, None)  # the stored format is checked at enable
+    OffloadConfig(cache_slots=cache_slots, cache_mode=enable_kwargs.get("cache_mode", "cached"), link=link, pin=pin,
+                  cold=cold, host=host)
 
     def check(skeleton):  # the model without weights, before the checkpoint's shards are read
         _check_slots(cache_slots, hf_layers.moe_layers(skeleton)[0].num_experts)
@@ -234,8 +251,9 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
 # --- checks of what enable / configure / from_pretrained are given ----------------------------------------------
 OPTION_NAMES = tuple(f.name for f in fields(DecodingOptions))  # new options pass the keyword check by themselves
 DECODING_KEYWORDS = OPTION_NAMES + ("cost_model", "route_predictor")  # enable's **decoding
-FROM_PRETRAINED_KEYWORDS = DECODING_KEYWORDS + ("cache_mode", "link", "drafter")
-ENABLE_ONLY = ("cache_slots", "cache_mode", "link", "pin", "device", "store", "drafter", "route_predictor")
+FROM_PRETRAINED_KEYWORDS = DECODING_KEYWORDS + ("cache_mode", "link", "cold", "host", "drafter")
+ENABLE_ONLY = ("cache_slots", "cache_mode", "link", "cold", "host", "pin", "device", "store", "drafter",
+               "route_predictor")
 
 
 def _check_keywords(given, accepted, where: str, named=None, enable_only=()) -> None:
@@ -285,6 +303,39 @@ def _link_config(link) -> LinkConfig | None:
 def _check_link_device(link, device: torch.device) -> None:
     if link is not None and device.type == "cuda":
         raise ValueError("link= emulates a host link for CPU studies; on CUDA the copies are real: leave it unset")
+
+
+def _host_config(host) -> HostConfig | None:
+    """A ``HostConfig`` from the host's bandwidth in bytes/s (a finite number > 0: checked by HostConfig), or as
+    given."""
+    if isinstance(host, (int, float)) and not isinstance(host, bool):
+        return HostConfig(bandwidth=float(host))
+    if host is not None and not isinstance(host, HostConfig):
+        raise ValueError(f"host must be a HostConfig or the host lane's bandwidth in bytes/s (a float), e.g. "
+                         f"specfit.embedded.default_host(), got {host!r}")
+    return host
+
+
+def _cold_mode(cold, host: HostConfig | None, device: torch.device, fmt) -> str:
+    """``cold=`` checked against where a host lane exists: CUDA (the host CPU itself), or a CPU device given an
+    emulated lane (``host=``); and against the stored format (``offload/formats.py``: a format without a host path
+    is copied). None: ``"auto"`` where a lane exists, else ``"copy"``."""
+    if host is not None and device.type == "cuda":
+        raise ValueError("host= emulates a host lane for CPU studies; on CUDA the host CPU computes host experts "
+                         "for real: leave it unset")
+    hosted = fmt is None or getattr(fmt, "host_path", False)
+    lane = (host is not None or device.type == "cuda") and hosted
+    if cold is None:
+        return "auto" if lane else "copy"
+    check_cold(cold)
+    if cold != "copy" and not hosted:
+        raise ValueError(f"cold={cold!r}: the experts are stored as {fmt.name}, which has no host path (the host "
+                         f"lane computes {', '.join(host_path_formats())} experts); use cold='copy'")
+    if cold != "copy" and not lane:
+        raise ValueError(f"cold={cold!r} needs a host lane: on a CPU device the host is the device itself, so give "
+                         f"an emulated one, host=specfit.embedded.default_host() (or a HostConfig), or use "
+                         f"cold='copy'")
+    return cold
 
 
 def _device_of_map(device_map, device):

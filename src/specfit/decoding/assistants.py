@@ -11,7 +11,8 @@ A tree candidate generator owns phases 1 (draft), 2 (select) and 6 (observe) of 
   estimates, learned online from what the target did with every drafted child it scored), or the paper's path
   probabilities (``acceptance="paper"``). The cost of a subtree is what its verify forward computes and copies
   (``cost="cache-aware"``, the default: experts resident in the slot cache cost their compute, the others their
-  compute and a copy), or the paper's demand alone (``cost="paper"``). Options: where draft-node routes come from
+  compute and a copy, or their time on the host lane, as ``cold=`` computes them), or the paper's demand alone
+  (``cost="paper"``). Options: where draft-node routes come from
   (``route_source``), prefetching the winner's experts while the next level is drafted (``prefetch``).
 
 Register your own with ``register_assistant(name, factory)``; ``factory(model)`` returns a ``TreeCandidateGenerator``.
@@ -159,7 +160,7 @@ class SpecFitGenerator(Eagle3Generator):
         self.expected_tokens = 1.0  # a cycle that verifies the root alone commits exactly its bonus token
         if self._skipped:  # the last cycle verified the root alone: its forward's figures are the root's
             last = self.runtime.stats.last_forward
-            self._root = (last.demand, last.misses)
+            self._root = (last.demand, last.misses + last.host_experts)  # its cold experts: copied or on the host
         self._skipped = self.backoff.skip()
         if self._skipped:
             self.predicted_seconds = self._predict_root_only()
@@ -170,7 +171,7 @@ class SpecFitGenerator(Eagle3Generator):
         if self.calibrated:
             self.acceptance = acceptance_model(self.runtime, cycle.sampling)
         tree = DraftTree()
-        resident = self.runtime.resident_mask() if self.cost.copy else None  # [L, E], as this cycle starts
+        resident = self.runtime.resident_mask() if self.cost.miss else None  # [L, E], as this cycle starts
         for tree in self.drafter.levels():
             node_routes, root_routes = self.routes(cycle, tree)  # [N, L, E], [L, E]
             cost = self.level_costs[tree.depth - 1] if self.level_costs else self.cost

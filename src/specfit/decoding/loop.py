@@ -184,7 +184,8 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
             gen.observe(features, staging.to_device([acc.tokens]))
         scope.cycle(pool=len(tree), verified=len(nodes), committed=committed, demand=verify.demand,
                     misses=verify.misses, seconds=time.perf_counter() - t0, measurement=cycle.measurement_seconds,
-                    draft_seconds=t_drafted - t0, expected=gen.expected_tokens, predicted=gen.predicted_seconds)
+                    draft_seconds=t_drafted - t0, expected=gen.expected_tokens, predicted=gen.predicted_seconds,
+                    host=verify.host_experts)
 
     kv_cache.crop_kv(cache, run.length - 1, current=kv)  # tokens cut by the stopping criteria leave no KV behind
     scope.end(new_tokens=run.length - input_ids.shape[1])

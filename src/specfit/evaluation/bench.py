@@ -42,6 +42,7 @@ from .. import cli_checks
 from . import regime_map, reliability
 from .harness import (LABELS, LEGEND, METHODS, ORACLE, PAPER_METHODS, Row, format_table, link_seconds,
                       load_instances, paper_table, side_by_side)
+from .demo import host_lane, host_line
 
 SLOTS = ("24", "12", "6", "none")
 REGIMES = ("no-link", "emulated")
@@ -67,16 +68,26 @@ def add_arguments(p) -> None:
     p.add_argument("--link-ms", type=float, default=None,
                    help="emulated link: ms per expert copy (default: measured at start so that a token's full expert "
                         "demand costs 1.4x its compute, as on the paper's A100)")
+    p.add_argument("--host-ratio", type=float, default=None, metavar="RATIO",
+                   help="the emulated-link regime's host lane: the host reads experts RATIO x as fast as the link "
+                        "copies them (default 2.5, a PCIe 4.0 host: specfit.embedded.default_host; every method "
+                        "computes cold experts where predicted cheaper); 0: no host lane, every cold expert copied")
     p.add_argument("--map", action="store_true",
                    help="also sweep the regime map: link ratios x slot counts, SpecFit / AR and / EAGLE-3 heat maps")
     p.add_argument("--map-only", action="store_true", help="the regime map alone (no main table)")
     p.add_argument("--map-prompts", type=int, default=6, help="prompts per workload in each cell of the regime map")
     p.add_argument("--map-tokens", type=int, default=None,
                    help="tokens generated per prompt in the regime map (default: --max-new-tokens)")
-    p.add_argument("--map-ratios", nargs="+", type=float, default=list(regime_map.MAP_RATIOS),
+    p.add_argument("--map-ratios", nargs="*", type=float, default=list(regime_map.MAP_RATIOS),
                    help="link costs of the map: copying one token's full expert demand costs this many times its "
-                        "compute (1.4: the paper's A100, the default link; 0: no link)")
+                        "compute (1.4: the paper's A100, the default link; 0: no link; none given: the host axis "
+                        "alone)")
     p.add_argument("--map-slots", nargs="+", type=int, default=list(regime_map.MAP_SLOTS), help="slot counts of the map")
+    p.add_argument("--map-host-ratios", nargs="*", type=float, default=list(regime_map.MAP_HOST_RATIOS),
+                   help="the map's host axis: host lane bandwidths as multiples of the link's, at the default link "
+                        "(2.5: the structural default; none given: no host axis)")
+    p.add_argument("--map-host-slots", nargs="+", type=int, default=list(regime_map.MAP_HOST_SLOTS),
+                   help="slot counts of the host axis")
     p.add_argument("--out", default="bench-results", help="folder for results.json and tok_s_vs_slots.png")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--quick", action="store_true", help="4 prompts per workload, 32 new tokens (a smoke run)")
@@ -135,13 +146,17 @@ def main(args) -> int:
     ratio = link_to_compute(args.link_ms / 1e3)
     print(f"emulated link: {args.link_ms:.4f} ms per expert copy ({how}); one token's full expert demand costs "
           f"{ratio:.2f}x one token's compute on this machine (the paper's A100: ~1.4x)")
+    host = host_lane(args, link)
+    print(host_line(host))
     started = time.time()
     result = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=platform.processor() or
                   platform.machine(), torch_threads=args.threads, link_ms=args.link_ms, link_source=how,
                   link_to_compute=ratio, max_new_tokens=args.max_new_tokens, methods=args.methods,
-                  note="CPU; 'emulated link' rows use an emulated host-to-device link, not GPU speed")
+                  host_lane=host.label if host else None,
+                  host_ms=host.expert_time(embedded.bf16_expert_bytes(), 1) * 1e3 if host else None,
+                  note="CPU; 'emulated link' rows use an emulated host-to-device link (and host lane), not GPU speed")
     if not args.map_only:
-        result.update(_main_table(args, workloads, tokenizer, link, out_dir))
+        result.update(_main_table(args, workloads, tokenizer, link, out_dir, host))
     if args.map or args.map_only:
         result["map"] = regime_map.run(args, workloads, link, ratio, out_dir, prepare=lambda model, method: (
             _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
@@ -151,10 +166,10 @@ def main(args) -> int:
     return 0
 
 
-def _main_table(args, workloads, tokenizer, link, out_dir: Path) -> dict:
+def _main_table(args, workloads, tokenizer, link, out_dir: Path, host=None) -> dict:
     from tqdm.auto import tqdm
 
-    regimes = {r: (link if r == "emulated" else None) for r in args.regimes}
+    regimes = {r: (link if r == "emulated" else None) for r in args.regimes}  # the host lane beside the link only
     rows = []
     logs, cells = {}, []  # the SpecFit row's labelled children: per workload, and a summary per cell
     total_runs = len(regimes) * len(args.slots) * sum(len(p) for p in workloads.values())
@@ -163,6 +178,7 @@ def _main_table(args, workloads, tokenizer, link, out_dir: Path) -> dict:
             for slots in args.slots:
                 n_slots = None if slots == "none" else int(slots)
                 instances, _ = load_instances(args.methods, n_slots, link, fp8=args.fp8,
+                                              host=host if link is not None else None,
                                               prepare=lambda model, method: (
                     _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
                 for w, prompts in workloads.items():
@@ -170,7 +186,7 @@ def _main_table(args, workloads, tokenizer, link, out_dir: Path) -> dict:
                     if watched is not None:
                         watched.specfit.acceptance_log = []
                     runs = side_by_side(instances, prompts, args.max_new_tokens, on_prompt=lambda i: bar.update(1))
-                    label = "emulated link" if link else "no link"
+                    label = ("emulated link + host lane" if host else "emulated link") if link else "no link"
                     rows += [Row.of(m, w, slots, label, len(prompts), c, runs.seconds[m])
                              for m, c in runs.counters.items()]
                     if watched is not None:
@@ -232,7 +248,7 @@ def _report(rows: list[Row], args) -> str:
                 sel = [r for r in cell if r.method != ORACLE]
                 if sel:
                     parts.append(format_table(sel, f"\n[{w}] slots {slots} of 64, {regime} (CPU"
-                                                   f"{', emulated' if regime == 'emulated link' else ''})"))
+                                                   f"{', emulated' if regime.startswith('emulated') else ''})"))
                 parts += _oracle_lines(cell)
             for base in ("eagle3", "ar", "prompt-lookup", "specfit-paper"):
                 ratios = []

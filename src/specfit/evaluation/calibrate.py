@@ -10,6 +10,7 @@ and plotting a profile.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 import warnings
@@ -91,6 +92,11 @@ def add_arguments(p) -> None:
     p.add_argument("--default-link", type=float, nargs="?", const=1.0, default=None, metavar="RATIO",
                    help="the embedded model's structural default link (a token's expert copies = 1.4x its compute, "
                         "measured here), times RATIO (default 1): what the demo and the bench use")
+    p.add_argument("--host-ratio", type=float, default=None, metavar="RATIO",
+                   help="the probes' host-lane rounds (every cold expert computed on an emulated host lane, on a CPU): "
+                        "the embedded model's structural default host lane at RATIO x the link's bandwidth (default "
+                        "2.5, and the same at half its bandwidth); 0: no host-lane rounds (the profile then prices "
+                        "host experts at the lane's own time)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="the dtype the model computes in (default: the checkpoint's; the embedded model's: float32); "
                         "a profile is filed under it, so each dtype gets one of its own, e.g. for "
@@ -129,6 +135,8 @@ def check_arguments(args) -> None:
         check.at_least(args, low, name, why=WHY_LEAST.get(name))
     check.at_least(args, 1, "threads")
     check.milliseconds(args, "link_ms")
+    if args.host_ratio is not None and not (math.isfinite(args.host_ratio) and args.host_ratio >= 0):
+        raise ValueError(f"--host-ratio must be a finite number >= 0 (0: no host-lane rounds), got {args.host_ratio}")
     if args.default_link is not None and not args.default_link >= 0:
         raise ValueError(f"--default-link RATIO scales the structural default link, a number >= 0 (0: no link), got "
                          f"{args.default_link}")
@@ -194,7 +202,8 @@ def main(args) -> int:
             bar.refresh()
 
         result = calibrate(model, prompts, probes=args.probes, repeats=args.repeats, seed=args.seed,
-                           max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress)
+                           max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress,
+                           lanes=_probe_lanes(args, model))
     cost = result.cost
     from ..selection.profile_files import profile_path
 
@@ -303,11 +312,17 @@ def describe(cost) -> str:
 
     lines = [f"device      {m.get('device')}", f"model       {m.get('model_key', m.get('model_id'))}",
              f"probes      {probes.get('slots')} slots ({probes.get('cache_mode')}), links: "
-             f"{', '.join(probes.get('links', []))}; one profile for every slot count and link",
+             f"{', '.join(dict.fromkeys(probes.get('links', [])))}"
+             + (f", host lanes: {', '.join(lane for lane in probes['lanes'] if lane)}"
+                if any(probes.get("lanes") or ()) else "")
+             + "; one profile for every slot count, link and host lane",
              f"compute     {cost.beta * 1e3:.4f} ms per expert computed (beta)"]
     if cost.prices_copies:
         lines.append(f"copy        {cost.copy_overhead * 1e3:.4f} ms per expert copied + {cost.link_share:.2f} x the "
                      f"link's time per copy ({cost.copy * 1e3:.4f} ms at the probes' link)")
+    if cost.prices_host:
+        lines.append(f"host        {cost.host_overhead * 1e3:.4f} ms per host expert + {cost.host_share:.2f} x the "
+                     f"lane's time per expert ({cost.host * 1e3:.4f} ms at the probes' lane)")
     lines += [f"intercepts  {ms(cost.intercepts)} ms (n = 0..)",
               f"drafting    {ms(cost.draft_level_seconds)} ms per level (1..), included in every intercept"
               if cost.draft_levels else "drafting    not modelled per level",
@@ -377,10 +392,9 @@ def plot_fit(result, path) -> None:
     print(READ_THE_PLOT)
 
 
-def _predict(cost, record) -> float:
-    """A record's predicted seconds, its copies priced at the link it ran over."""
-    priced = cost.priced(record.link_seconds) if cost.prices_copies else cost
-    return priced.predict(record.n_nodes, record.demand, misses=record.misses)
+def _predict(cost: CostModel, record: Record) -> float:
+    """A record's predicted seconds, its copies priced at the link it ran over, its host experts at its lane."""
+    return cost.record_seconds(record)
 
 
 SLOT_SHARE = 48 / 128  # --slots by default: the paper's headline setting, 48 of Qwen3-30B-A3B's 128 experts per layer
@@ -401,6 +415,25 @@ def _config(args) -> dict:
 
     return cli_checks.checkpoint_config(args.model) if args.model else json.loads((TARGET_DIR / "config.json")
                                                                                    .read_text())
+
+
+def _probe_lanes(args, model):
+    """The host lanes of the probes' host rounds: ``--host-ratio`` (0: none; R: the structural default host lane at
+    R x the link), else the probes' default (``probes.probe_lanes``)."""
+    from .. import embedded
+    from .probes import probe_lanes, probe_links
+
+    if args.host_ratio is None:
+        return None
+    if not (args.host_ratio >= 0 and args.host_ratio < float("inf")):
+        raise ValueError(f"--host-ratio must be a finite number >= 0 (0: no host-lane rounds), got {args.host_ratio}")
+    if args.host_ratio == 0:
+        return []
+    link = probe_links(model)[-1]
+    if link is None or not embedded.is_embedded(model):
+        raise ValueError("--host-ratio sets the embedded model's structural host lane beside an emulated link; this "
+                         "run has no emulated link or is not the embedded model (give --host-ratio 0, or none)")
+    return probe_lanes(model, embedded.default_host(args.host_ratio, link))
 
 
 def _load(args):

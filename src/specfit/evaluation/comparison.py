@@ -36,6 +36,11 @@ COLUMNS = {
     "copy_wait_share": "share of decode time the host was blocked by copies (CPU: all the stall, emulated link "
                        "included; CUDA: the issue time only, the device-side wait is in the decode time)",
     "hit_rate": "share of the experts forwards needed that were already in a slot",
+    "hits_per_token": "experts already in a slot per new token (computed on the device, nothing copied)",
+    "host_per_token": "experts computed on the host lane per new token (cold='host' or 'auto': not in a slot, not "
+                      "copied)",
+    "host_wait_share": "share of decode time the host waited for the host lane (CPU: an emulated lane, the part of "
+                       "its time nothing else hid)",
     "expected_over_committed": "tokens the assistant expected its cycles to commit over those committed (1.0: right "
                                "on average; AR: 1)",
     "forecast_over_real": "seconds the cost model predicted for the cycles over the decode time (1.0: the time "
@@ -47,7 +52,8 @@ COLUMNS = {
 }
 
 ROUNDING = {"tok_s": 1, "speedup": 2, "nodes_per_cycle": 2, "tokens_per_cycle": 2, "copies_per_token": 2,
-            "mib_per_token": 2, "copy_wait_share": 3, "hit_rate": 3, "expected_over_committed": 2,
+            "mib_per_token": 2, "copy_wait_share": 3, "hit_rate": 3, "hits_per_token": 2, "host_per_token": 2,
+            "host_wait_share": 3, "expected_over_committed": 2,
             "forecast_over_real": 2, "decode_tok_s": 1, "seconds": 3}
 
 
@@ -71,6 +77,8 @@ class Comparison:
                             speedup=0.0, nodes_per_cycle=c.nodes_per_cycle, tokens_per_cycle=c.tokens_per_cycle,
                             copies_per_token=c.copies_per_token, mib_per_token=c.mib_copied_per_token,
                             copy_wait_share=c.copy_wait_share, hit_rate=c.hit_rate,
+                            hits_per_token=c.hits_per_token, host_per_token=c.host_experts_per_token,
+                            host_wait_share=c.host_wait_share,
                             expected_over_committed=c.expected_over_committed,
                             forecast_over_real=c.forecast_over_real, decode_tok_s=c.tokens_per_second,
                             new_tokens=c.new_tokens, seconds=seconds, prompts=self.prompts))
@@ -142,15 +150,20 @@ def run(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_tokens: i
 def format_rows(rows: list[dict], title: str = "") -> str:
     """Rows of ``compare`` as a text table."""
     base = (rows[0]["label"] if len(rows[0]["label"]) <= 10 else rows[0]["method"]) if rows else ""
+    hosted = any(r.get("host_per_token") for r in rows)  # the host lane's columns, where one computed experts
     head = (f"{'method':<22}{'tok/s':>8}{'vs ' + base:>14}{'nodes/cyc':>11}{'tok/cyc':>9}{'exp/real':>10}"
             f"{'fcst/real':>11}{'copies/tok':>12}{'MiB/tok':>9}{'copy wait':>11}{'hit rate':>10}")
+    head += f"{'hits/tok':>10}{'host/tok':>10}{'host wait':>11}" if hosted else ""
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for r in rows:
         forecast = "-" if r["forecast_over_real"] is None else f"{r['forecast_over_real']:.2f}"
-        lines.append(f"{r['label']:<22}{r['tok_s']:>8.1f}{'x%.2f' % r['speedup']:>14}{r['nodes_per_cycle']:>11.2f}"
-                     f"{r['tokens_per_cycle']:>9.2f}{r['expected_over_committed']:>10.2f}{forecast:>11}"
-                     f"{r['copies_per_token']:>12.2f}{r['mib_per_token']:>9.2f}{r['copy_wait_share']:>11.1%}"
-                     f"{r['hit_rate']:>10.0%}")
+        line = (f"{r['label']:<22}{r['tok_s']:>8.1f}{'x%.2f' % r['speedup']:>14}{r['nodes_per_cycle']:>11.2f}"
+                f"{r['tokens_per_cycle']:>9.2f}{r['expected_over_committed']:>10.2f}{forecast:>11}"
+                f"{r['copies_per_token']:>12.2f}{r['mib_per_token']:>9.2f}{r['copy_wait_share']:>11.1%}"
+                f"{r['hit_rate']:>10.0%}")
+        if hosted:
+            line += f"{r['hits_per_token']:>10.2f}{r['host_per_token']:>10.2f}{r['host_wait_share']:>11.1%}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -164,7 +177,10 @@ LEGEND = ("tok/s: new tokens per second, wall clock of the whole generate() call
           "MiB per token",
           "copy wait: share of decode time the host was blocked by copies (on a CPU, emulated link included: all of "
           "the stall; on CUDA only the issue time, the device-side wait shows in tok/s)",
-          "hit rate: share of the experts the forwards needed that were already in a slot")
+          "hit rate: share of the experts the forwards needed that were already in a slot",
+          "hits/tok, host/tok (with a host lane): experts per token found in a slot, and computed on the host lane "
+          "(neither resident nor copied); host wait: share of decode time the host waited for the lane (CPU: an "
+          "emulated lane, the part of its time nothing hid)")
 
 
 def plot_comparison(table, title: str | None = None):
@@ -216,9 +232,10 @@ def _models(model, methods: dict[str, Method]) -> dict:
         if missing:
             raise ValueError(f"no model given for {', '.join(missing)}: the dict of models needs one per method")
         return {m: model[m] for m in methods}
-    special = [m for m, method in methods.items() if method.options or method.cleared]
+    special = [m for m, method in methods.items() if method.options or method.cleared or method.cold]
     if special:
-        raise ValueError(f"{', '.join(special)} need a model of their own (their own options or cache mode): pass "
+        raise ValueError(f"{', '.join(special)} need a model of their own (their own options, cache mode or cold "
+                         f"experts): pass "
                          f"{{method: model}} with one model per method (for the embedded model: "
                          f"specfit.evaluation.harness.load_instances)")
     return {m: model for m in methods}

@@ -12,6 +12,7 @@ speed.
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 
@@ -56,6 +57,10 @@ def add_arguments(p) -> None:
     p.add_argument("--link-ms", type=float, default=None,
                    help="emulated ms per expert copy (default: measured at start so that a token's full expert demand "
                         "costs 1.4x its compute, as on the paper's A100)")
+    p.add_argument("--host-ratio", type=float, default=None, metavar="RATIO",
+                   help="emulated host lane: the host reads experts RATIO x as fast as the link copies them (default "
+                        "2.5, a PCIe 4.0 host: specfit.embedded.default_host); 0: no host lane, every expert that "
+                        "misses the slot cache is copied")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
 
@@ -68,6 +73,13 @@ def check_arguments(args) -> None:
                          f"{args.slots}")
     cli_checks.at_least(args, 1, "num_prompts", "max_new_tokens", "threads")
     cli_checks.milliseconds(args, "link_ms")
+    host_ratio = getattr(args, "host_ratio", None)
+    if host_ratio is not None and not (math.isfinite(host_ratio) and host_ratio >= 0):
+        raise ValueError(f"--host-ratio must be a finite number >= 0 (the host's expert bandwidth as a multiple of "
+                         f"the link's; 0: no host lane), got {host_ratio}")
+    if host_ratio and args.link_ms == 0:
+        raise ValueError("--host-ratio scales the host lane to the link, and --link-ms 0 makes copies free: give "
+                         "--host-ratio 0 (no host lane) with a free link")
     if args.prompt is not None and not all(text.strip() for text in args.prompt):
         raise ValueError("--prompt needs a non-empty TEXT")
 
@@ -114,11 +126,13 @@ def main(args) -> int:
         print("measuring one token's compute on this machine for the default emulated link ...", flush=True)
     link, how = link_seconds(args.link_ms)
     args.link_ms = embedded.link_seconds_per_expert(link) * 1e3  # per bf16 expert (the default link is per byte)
+    host = host_lane(args, link)
     print(f"SpecFit demo: the embedded Qwen3-MoE{' (FP8 variant)' if args.fp8 else ''} ({experts} "
           f"experts, top-{config['num_experts_per_tok']}, {config['num_hidden_layers']} layers) with its EAGLE-3 "
           f"drafter, experts in host memory, {args.slots} slots per layer, CPU with an emulated host link of "
           f"{args.link_ms:.3f} ms per expert copy ({how}; emulated: not GPU speed), {args.threads} CPU "
           f"thread{'s' if args.threads != 1 else ''} (--threads).")
+    print(host_line(host))
     print("The embedded model is a small model trained by this project only to show the method: its text is not "
           "meant to be good. What matters is that all three methods write the same tokens, and how fast.")
     print(f"Where SpecFit pays: when expert copies are dear - few slots per layer (here {args.slots} of "
@@ -134,7 +148,7 @@ def main(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         print(f"loading the embedded model once per method ({', '.join(LABELS[m] for m in METHODS)}) ...", flush=True)
-        instances, tokenizer = load_instances(list(METHODS), args.slots, link, fp8=args.fp8)
+        instances, tokenizer = load_instances(list(METHODS), args.slots, link, fp8=args.fp8, host=host)
         tables, verdicts = [], []
         for workload, prompts in texts.items():
             name = WORKLOADS[workload]
@@ -154,9 +168,9 @@ def main(args) -> int:
             print(f"\n--- {name}: prompt 1 of {len(prompts)} ---\n{_clip(text)}\n--- generated (identical for AR, "
                   f"EAGLE-3 and SpecFit) ---\n{tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
             verdicts.append(f"  {name}: {verdict(per_prompt)}")
-            tables.append(result.format(f"[{name}] {args.slots} slots of {experts}, CPU, emulated "
-                                        f"host link (not GPU speed), {len(prompts)} prompt"
-                                        f"{'s' if len(prompts) != 1 else ''}"))
+            tables.append(result.format(f"[{name}] {args.slots} slots of {experts}, CPU, emulated host link"
+                                        f"{' and host lane' if host else ''} (not GPU speed), {len(prompts)} "
+                                        f"prompt{'s' if len(prompts) != 1 else ''}"))
     for table in tables:
         print(table + "\n")
     print("\n".join(comparison.LEGEND))
@@ -175,6 +189,28 @@ def main(args) -> int:
 def notes(caught) -> list[str]:
     """The cost-profile warnings among ``caught`` (every method model's, every call's), each once, in order."""
     return list(dict.fromkeys(str(w.message) for w in caught if "profile" in str(w.message)))
+
+
+def host_lane(args, link):
+    """The emulated host lane of a demo or bench run: ``--host-ratio`` x the link's bandwidth (default: the
+    structural 2.5x), or None (``--host-ratio 0``, or a free link: every cold expert is copied)."""
+    from .. import embedded
+
+    ratio = embedded.HOST_TO_LINK if getattr(args, "host_ratio", None) is None else args.host_ratio
+    if ratio <= 0 or link is None or not link.copy_time(embedded.bf16_expert_bytes()) > 0:
+        return None
+    return embedded.default_host(ratio, link)
+
+
+def host_line(host) -> str:
+    """What the host lane is, for the run's header."""
+    from .. import embedded
+
+    if host is None:
+        return "No host lane (--host-ratio 0): every expert that misses the slot cache is copied over the link.\n"
+    ms = host.expert_time(embedded.bf16_expert_bytes(), 1) * 1e3
+    return (f"Host lane: {host.label}, {ms:.3f} ms per host expert at one token (emulated: the CPU computes it, the "
+            f"lane's time is set); every method computes cold experts where predicted cheaper (cold='auto').\n")
 
 
 def _clip(text: str, n: int = 300) -> str:

@@ -31,6 +31,7 @@ class Method:
     cleared: bool = False  # slot cache emptied before every forward (the paper's "vanilla")
     options: tuple = ()  # decoding options, as (name, value) pairs
     generate: tuple = ()  # generate() keywords of the method, as (name, value) pairs
+    cold: str | None = None  # where its cold experts are computed (enable's cold=); None: the default
 
 
 METHODS = {
@@ -50,6 +51,11 @@ METHODS = {
     "specfit-paper-cost": Method("SpecFit, paper cost", "specfit", options=(("cost", "paper"),)),
     # transformers' own prompt-lookup decoding on the same offloaded model: what a user tries first, no drafter
     "prompt-lookup": Method("Prompt lookup (10)", None, generate=(("prompt_lookup_num_tokens", 10),)),
+    # every cold expert copied, beside a host lane (cold="copy": SpecFit before the host lane), or computed on it
+    "ar-copy": Method("AR, copies only", None, cold="copy"),
+    "eagle3-copy": Method("EAGLE-3, copies only", "eagle3", cold="copy"),
+    "specfit-copy": Method("SpecFit, copies only", "specfit", cold="copy"),
+    "ar-host": Method("AR, host only", None, cold="host"),
     # the limit of any subtree rule: verifies the path the target accepts, found by a look-ahead (evaluation/oracle)
     ORACLE: Method("Acceptance oracle*", ORACLE),
 }
@@ -98,6 +104,9 @@ class Row:
     forecast_over_real: float | None = None  # the cost model's predicted seconds / decode seconds (None: no forecast)
     mib_per_token: float = 0.0  # MiB copied host-to-device per new token
     copy_wait_share: float = 0.0  # share of decode time the host was blocked by copies (see Counters.copy_wait_share)
+    hits_per_token: float = 0.0  # experts found in a slot per new token
+    host_per_token: float = 0.0  # experts computed on the host lane per new token
+    host_wait_share: float = 0.0  # share of decode time the host waited for the host lane
 
     @classmethod
     def of(cls, method, workload, slots, regime, prompts, c: Counters, call_seconds: float = 0.0) -> "Row":
@@ -107,16 +116,19 @@ class Row:
                    per_token(c.prefetch_copies), per_token(c.prefetch_wasted), c.measurement_seconds,
                    c.tokens_per_second_excluding_measurement, c.prefill_seconds, c.end_to_end_tokens_per_second,
                    c.expected_over_committed, c.new_tokens / call_seconds if call_seconds else 0.0,
-                   c.forecast_over_real, c.mib_copied_per_token, c.copy_wait_share)
+                   c.forecast_over_real, c.mib_copied_per_token, c.copy_wait_share, c.hits_per_token,
+                   c.host_experts_per_token, c.host_wait_share)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def load_instances(methods, slots: int | None, link, prepare=None, fp8: bool = False) -> tuple[dict, object]:
+def load_instances(methods, slots: int | None, link, prepare=None, fp8: bool = False,
+                   host=None) -> tuple[dict, object]:
     """One enabled embedded model per method. ``slots=None``: no cache (every forward cleared). ``link``: a
-    ``LinkConfig``, seconds per expert copy, or None. ``prepare(model, method)`` runs before the method's decoding
-    options are set (``specfit bench`` calibrates a missing cost profile there)."""
+    ``LinkConfig``, seconds per expert copy, or None. ``host``: an emulated host lane (``HostConfig``) or None; a
+    method's ``cold`` (else the default: ``"auto"`` with a lane). ``prepare(model, method)`` runs before the method's
+    decoding options are set (``specfit bench`` calibrates a missing cost profile there)."""
     from transformers import AutoConfig
 
     from .. import embedded
@@ -130,7 +142,8 @@ def load_instances(methods, slots: int | None, link, prepare=None, fp8: bool = F
         if isinstance(link, (int, float)):
             link = LinkConfig(seconds_per_expert=link) if link else None
         model, tokenizer = embedded.load(n, cache_mode="cleared" if method.cleared or slots is None else "cached",
-                                         link=link, fp8=fp8)  # fp8: the FP8 variant (embedded.fp8)
+                                         link=link, host=host, cold=method.cold,
+                                         fp8=fp8)  # fp8: the FP8 variant (embedded.fp8)
         if prepare is not None:
             prepare(model, method)
         if method.options:
@@ -241,13 +254,17 @@ LEGEND = ("call tok/s: new tokens per second of whole generate() calls, wall clo
           "forecast matches the clock; -: the method forecasts no time)",
           "MiB/tok: MiB copied host-to-device per new token; hit rate: experts needed that were already in a slot",
           "copy wait: share of decode time the host was blocked by copies (CPU, emulated link included: the whole "
-          "stall; CUDA: the issue time only, the device-side wait is in tok/s)")
+          "stall; CUDA: the issue time only, the device-side wait is in tok/s)",
+          "hits/tok, host/tok, host wait (with a host lane): experts per token found in a slot and computed on the "
+          "host lane, and the share of decode time the host waited for the lane (CPU: an emulated lane)")
 
 
 def format_table(rows: list[Row], title: str) -> str:
     measured = any(r.measurement_s > 0 for r in rows)
+    hosted = any(r.host_per_token for r in rows)
     head = (f"{'method':<25}{'call tok/s':>11}{'tok/s':>8}{'nodes/cyc':>11}{'tok/cyc':>9}{'cycle ms':>10}"
             f"{'copies/tok':>12}{'MiB/tok':>9}{'copy wait':>11}{'hit rate':>10}{'exp/real':>10}{'fcst/real':>11}")
+    head += f"{'hits/tok':>10}{'host/tok':>10}{'host wait':>11}" if hosted else ""
     head += f"{'tok/s excl. oracle*':>21}" if measured else ""
     lines = [title, head, "-" * len(head)]
     for r in rows:
@@ -255,6 +272,8 @@ def format_table(rows: list[Row], title: str) -> str:
                 f"{r.tokens_per_cycle:>9.2f}{r.cycle_ms:>10.1f}{r.copies_per_token:>12.1f}{r.mib_per_token:>9.2f}"
                 f"{r.copy_wait_share:>11.1%}{r.hit_rate:>10.1%}{r.expected_over_committed:>10.2f}"
                 f"{'-' if r.forecast_over_real is None else f'{r.forecast_over_real:.2f}':>11}")
+        if hosted:
+            line += f"{r.hits_per_token:>10.1f}{r.host_per_token:>10.1f}{r.host_wait_share:>11.1%}"
         if measured:
             line += f"{r.tok_s_excluding_measurement:>21.1f}" if r.measurement_s > 0 else f"{'':>21}"
         lines.append(line)

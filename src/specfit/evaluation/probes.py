@@ -10,14 +10,17 @@ source gives (a trained predictor or the target's gates, as SpecFit runs; the ro
 exists): a choice needs only variety, and the record keeps the demand and misses the verify forward really had.
 So the probes need no extra target forward.
 
-The run has ``1 + repeats x links`` rounds over the same prompts. Round 0 *plans*: it decodes each prompt and records
+The run has ``1 + repeats x (links + lanes)`` rounds over the same prompts. Round 0 *plans*: it decodes each prompt and records
 every cycle's pool, chosen subtree and whether it runs cold. The other rounds *replay* the plan: each generate()
 starts from an empty slot cache, and greedy decoding is deterministic, so a configuration's cycle is the same cycle
 in every round: same pool, same subtree, same cache state. Each round visits the prompts in a new random order, so a
 configuration's repeats are spread over the whole run and a slow drift of the machine hits every configuration
 alike. On a CPU the replays alternate between no link and an emulated one (the one given, or the embedded model's
 structural default), so the share of the link's time a copy waits for is measured apart from the copy's own
-overhead; on a GPU the real link is timed (its time per copy measured from the pinned bandwidth). A record is the
+overhead; on a GPU the real link is timed (its time per copy measured from the pinned bandwidth). Where the model
+has a host lane (or, for the embedded model, its structural default), more rounds compute every cold expert on it
+(``cold="host"``): on a CPU the emulated lane and the same lane at half its bandwidth, so the share of the lane's
+time a host expert waits for is measured apart from its overhead; on a GPU the real lane. A record is the
 configuration's *fastest* repeat on each link (``STATISTIC``: load on a shared machine only ever adds time).
 Drafting does not depend on the subtree (every probe drafts the full pool), so each record carries the drafting time
 of the median configuration plus its own time after drafting; the drafting time of each level is measured too
@@ -44,6 +47,8 @@ import torch
 from ..calibration import LEAST, PROBES
 from ..decoding.assistants import Eagle3Generator
 from ..drafting.tree import DraftTree
+from ..offload.host_compute import InlineLane
+from ..offload.host_lane import EmulatedHostLane
 from ..offload.link import EmulatedLink
 from ..selection.cost_model import CostModel, Record
 from ..selection.fit_quality import Pool, assess
@@ -213,14 +218,36 @@ def probe_links(model, link=None) -> list:
     return [None] if link is None else [None, link]
 
 
+def probe_lanes(model, host=None) -> list:
+    """The host lanes of the replays that compute every cold expert on the host (after the link rounds): on CUDA the
+    real lane (``True``); on a CPU ``host`` (a ``HostConfig``; else the model's own emulated lane, else for the
+    embedded model its structural default) and the same lane at half its bandwidth, so the share of the lane's time
+    is measured apart from its overhead; none where there is no lane."""
+    from dataclasses import replace
+
+    runtime = model.specfit
+    if not getattr(runtime.store.format, "host_path", False):
+        return []  # a stored format the host lane cannot compute: always copied
+    if runtime.device.type == "cuda":
+        return [True] if runtime.lane is not None else []
+    host = host if host is not None else runtime.config.host
+    if host is None:
+        from .. import embedded
+
+        if embedded.is_embedded(model):
+            host = embedded.default_host()
+    return [] if host is None else [host, replace(host, bandwidth=host.bandwidth / 2, relative=None)]
+
+
 def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"], repeats: int = PROBES["repeats"],
               seed: int = PROBES["seed"], warmup: int = PROBES["warmup_cycles"],
               max_new_tokens: int = PROBES["max_new_tokens"], candidates: int = PROBES["candidates"],
               bootstrap: int = PROBES["bootstrap"], folds: int = PROBES["folds"], gate: dict | None = None,
-              links=None, progress=None) -> Calibration:
+              links=None, lanes=None, progress=None) -> Calibration:
     """Run the probes on an enabled model (with a drafter) over ``prompts`` ([1, P] token ids): ``probes``
     configurations after ``warmup`` cycles per prompt, each timed ``repeats`` times on each of ``links`` (default
-    ``probe_links(model)``); fit, assess and return them.
+    ``probe_links(model)``; every cold expert copied) and of ``lanes`` (default ``probe_lanes(model)``; every cold
+    expert computed on the host); fit, assess and return them.
 
     ``progress``, if given, is called as ``progress(done, total)`` in generate() calls."""
     for name, value, low in (("probes", probes, 10), ("repeats", repeats, LEAST["repeats"]),
@@ -231,11 +258,14 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
     runtime = model.specfit
     max_nodes = runtime.options.max_nodes
     links = probe_links(model) if links is None else list(links)
-    need, most = least_records(max_nodes, folds), probes * len(links) * repeats  # most: every repeat fitted alone
+    lanes = probe_lanes(model) if lanes is None else list(lanes)
+    # each round's setting: (link, lane); a lane None copies every cold expert, else computes every one on it
+    settings = [(link, None) for link in links] + [(links[-1], lane) for lane in lanes]
+    need, most = least_records(max_nodes, folds), probes * len(settings) * repeats  # most: every repeat fitted alone
     if most < need:  # the cross-validation would refuse them after the minutes of probing, whatever the replays do
-        raise ValueError(f"probes must be >= {-(-need // (len(links) * repeats))} here: {probes} x {repeats} "
-                         f"repeats on {len(links)} link(s) give at most {most} records, and a {folds}-fold "
-                         f"cross-validation of a fit with up to {max_nodes + 1} intercepts needs {need}")
+        raise ValueError(f"probes must be >= {-(-need // (len(settings) * repeats))} here: {probes} x {repeats} "
+                         f"repeats on {len(settings)} link and lane setting(s) give at most {most} records, and a "
+                         f"{folds}-fold cross-validation of a fit with up to {max_nodes + 1} intercepts needs {need}")
     rng = random.Random(seed)
     sizes = schedule(rng, max_nodes)
     report = progress or (lambda done, total: None)
@@ -263,15 +293,17 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
     # (plan, cycle, link) -> [(CycleRecord, level seconds, diverged)] per round
     timed: dict[tuple[int, int, int], list] = {}
     order = list(range(len(plans)))
-    rounds = [(r, k) for r in range(repeats) for k in range(len(links))]
-    saved = runtime.engine.link
-    copy_time: list[float] = []  # the link's own time per copy, per link
+    rounds = [(r, k) for r in range(repeats) for k in range(len(settings))]
+    saved = runtime.engine.link, runtime.lane, runtime.cold
+    copy_time: list[float] = []  # the link's own time per copy, per setting
+    host_time: list[float] = []  # the lane's own time per host expert (one token), per setting (0: no lane)
     try:
-        for k, link in enumerate(links):
-            runtime.engine.link = EmulatedLink(link) if link is not None else None
+        for link, lane in settings:
+            _use(runtime, link, lane, saved[1])
             copy_time.append(_link_seconds(runtime, link))
+            host_time.append(runtime.host_seconds() if lane is not None else 0.0)
         for done, (r, k) in enumerate(rounds):
-            runtime.engine.link = EmulatedLink(links[k]) if links[k] is not None else None
+            _use(runtime, *settings[k], saved[1])
             rng.shuffle(order)
             for j in order:
                 i, plan = plans[j]
@@ -282,12 +314,12 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
                         timed.setdefault((j, c, k), []).append(run)
             report(len(plans) * (done + 2), len(plans) * (len(rounds) + 1))
     finally:
-        runtime.engine.link = saved
+        runtime.engine.link, runtime.lane, runtime.cold = saved
 
     keys = [(j, c) for j, (_, plan) in enumerate(plans) for c in range(warmup, len(plan))][:probes]
     records, on_user_link, level_runs, dropped, matched_all = [], [], [], 0, True
     draft = None
-    for k in range(len(links)):
+    for k in range(len(settings)):
         kept = [[(c, levels) for c, levels, _ in timed[(j, c, k)]] for j, c in keys
                 if _agree(timed.get((j, c, k), []), repeats)]
         matched = len(kept) >= max(10, len(keys) // 2)
@@ -303,10 +335,10 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
         if draft is None:
             draft = statistics.median(min(c.draft_seconds for c, _ in runs) for runs in kept)
         post = [min(c.seconds - c.draft_seconds for c, _ in runs) for runs in kept]
-        mine = [Record(runs[0][0].n_nodes, runs[0][0].demand, draft + p, runs[0][0].misses, copy_time[k])
-                for runs, p in zip(kept, post)]
+        mine = [Record(runs[0][0].n_nodes, runs[0][0].demand, draft + p, runs[0][0].misses, copy_time[k],
+                       runs[0][0].host_experts, host_time[k]) for runs, p in zip(kept, post)]
         records += mine
-        if k == len(links) - 1:
+        if k == len(links) - 1:  # the user's link, every cold expert copied
             on_user_link = mine
         level_runs += [[levels for _, levels in runs] for runs in kept]
     levels = _level_seconds(level_runs)
@@ -316,7 +348,9 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
                 probe="specfit.calibrate/probes.json",
                 probes=dict(configs=len(keys), records=len(records), dropped=dropped if matched_all else None,
                             repeats_matched=matched_all, repeats=repeats,
-                            links=[_label(link) for link in links], link_seconds=copy_time, slots=slots,
+                            links=[_label(link) for link, _ in settings], link_seconds=copy_time,
+                            lanes=[_lane_label(runtime, lane) for _, lane in settings], host_seconds=host_time,
+                            slots=slots,
                             cache_mode=runtime.config.cache_mode, cold_share=1 / FLUSH_EVERY,
                             route_source="oracle" if oracle else "deployable",
                             candidates=candidates, warmup_cycles=warmup, max_new_tokens=max_new_tokens, seed=seed,
@@ -340,6 +374,8 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
                               seed=seed, pools=chosen_pools, gate=gate)
     cost = CostModel.fit(records, max_nodes=max_nodes, draft_level_seconds=levels, kind="cache-aware",
                          quality=quality, **meta)
+    if lanes:  # priced at the user's link and the first lane, choosing per expert as "auto" does
+        return Calibration(cost.priced(copy_time[len(links) - 1], host_time[len(links)], "auto"), records, heldout)
     return Calibration(cost.priced(copy_time[-1]), records, heldout)
 
 
@@ -350,6 +386,20 @@ def least_records(max_nodes: int, folds: int) -> int:
     while n - -(-n // folds) < max_nodes + 3:
         n += 1
     return n
+
+
+def _use(runtime, link, lane, own_lane) -> None:
+    """Set up one round's setting: the emulated link (or none), and every cold expert copied (``lane`` None) or
+    computed on ``lane`` (a ``HostConfig`` emulated; ``True``: the model's own real lane)."""
+    runtime.engine.link = EmulatedLink(link) if link is not None else None
+    runtime.cold = "copy" if lane is None else "host"
+    runtime.lane = own_lane if lane is None or lane is True else InlineLane(EmulatedHostLane(lane))
+
+
+def _lane_label(runtime, lane) -> str | None:
+    if lane is None:
+        return None
+    return runtime.host_label if lane is True else lane.label
 
 
 def _link_seconds(runtime, link) -> float:
@@ -381,7 +431,7 @@ def _generate(model, ids, probe, max_new_tokens) -> list:
 def _agree(runs, repeats: int) -> bool:
     """A configuration counts when every round replayed it as planned, on the same subtree, demand and misses."""
     return (len(runs) == repeats and not any(diverged for _, _, diverged in runs)
-            and len({(c.n_nodes, c.demand, c.misses) for c, _, _ in runs}) == 1)
+            and len({(c.n_nodes, c.demand, c.misses, c.host_experts) for c, _, _ in runs}) == 1)
 
 
 def _level_seconds(per_config: list[list[list[float]]]) -> tuple[float, ...]:

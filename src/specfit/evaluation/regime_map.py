@@ -7,6 +7,13 @@ such: not GPU speed). A column is a slot count (6, 12, 24, all 64 of the embedde
 ``--map-prompts`` prompts per workload (after one untimed prompt) with ``--map-tokens`` tokens each, the methods
 taking turns prompt by prompt. Printed as tables (SpecFit / the best baseline, with which one: A, E or P; then
 SpecFit / each baseline) and drawn as heat maps (``regime_map.png``).
+
+The host axis (``--map-host-ratios``): at the default link (ratio 1.4), an emulated host lane whose bandwidth is 1x,
+2.5x (the structural default, a PCIe 4.0 host) or 4x the link's, at 6, 12 and 24 slots (``MAP_HOST_SLOTS``). Every
+method computes cold experts where predicted cheaper (``cold="auto"``); AR with every cold expert copied
+(``ar-copy``) is measured beside them, so each cell also says what the host lane alone gives AR. Printed as its own
+tables (rows: host ratio) and drawn beside the link maps (``regime_map_host.png``). The link axis stays without a
+host lane (every cold expert copied), as before.
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ MAP_RATIOS = (0.5, 1.0, 1.4, 2.0, 4.0, 8.0)
 MAP_SLOTS = (6, 12, 24, 64)
 MAP_METHODS = ("ar", "eagle3", "specfit", "prompt-lookup")
 MAP_BASELINES = ("ar", "eagle3", "prompt-lookup")  # SpecFit is held against the best of these in each cell
+# the host axis: host lane bandwidth as a multiple of the link's (2.5: the structural default), at the default link
+MAP_HOST_RATIOS = (1.0, 2.5, 4.0)
+MAP_HOST_SLOTS = (6, 12, 24)
+MAP_HOST_LINK = 1.4  # the link ratio the host axis runs at: the default link
 
 
 def check_arguments(args) -> None:
@@ -37,6 +48,14 @@ def check_arguments(args) -> None:
     bad = [s for s in args.map_slots if s < 1]
     if bad:
         raise ValueError(f"--map-slots are expert slots per layer, each >= 1, got {bad}")
+    bad = [r for r in getattr(args, "map_host_ratios", ()) if not (r > 0 and r < float("inf"))]
+    if bad:
+        raise ValueError(f"--map-host-ratios are host lane bandwidths as multiples of the link's, each a finite "
+                         f"number > 0 (2.5: the structural default), got {bad}")
+    host = getattr(args, "host_ratio", None)
+    if host is not None and not (host >= 0 and host < float("inf")):
+        raise ValueError(f"--host-ratio must be a finite number >= 0 (the host's expert bandwidth as a multiple of "
+                         f"the link's; 0: no host lane), got {host}")
 
 
 def map_link(link, link_ratio: float, ratio: float):
@@ -72,8 +91,45 @@ def run(args, workloads, link, link_ratio: float, out_dir: Path, prepare=None) -
                 for w, ids in prompts.items():
                     runs = side_by_side(instances, ids, tokens, on_prompt=lambda i: bar.update(1))
                     cells.append(map_cell(ratio, slots, w, len(ids) - 1, runs))
-    print(report(cells))
-    plot(cells, out_dir / "regime_map.png")
+    host_cells = run_host_axis(args, prompts, tokens, link, link_ratio, prepare)
+    if cells:
+        print(report(cells))
+        plot(cells, out_dir / "regime_map.png")
+    if host_cells:
+        print(report_host(host_cells))
+        plot(host_cells, out_dir / "regime_map_host.png", host=True)
+    return cells + host_cells
+
+
+def run_host_axis(args, prompts: dict, tokens: int, link, link_ratio: float, prepare=None) -> list[dict]:
+    """The host axis: every (host ratio, slots) cell at the default link, the methods on ``cold="auto"`` and AR with
+    every cold expert copied beside them."""
+    from tqdm.auto import tqdm
+
+    from .. import embedded
+
+    ratios = list(getattr(args, "map_host_ratios", ()))
+    slots_axis = [s for s in getattr(args, "map_host_slots", MAP_HOST_SLOTS)]
+    if not ratios or not slots_axis:
+        return []
+    cell_link = map_link(link, link_ratio, MAP_HOST_LINK)
+    methods = MAP_METHODS + ("ar-copy",)
+    cells = []
+    total = len(ratios) * len(slots_axis) * sum(len(p) for p in prompts.values())
+    print(f"host axis: host lane at {', '.join(f'{r:g}x' for r in ratios)} the link's bandwidth x "
+          f"{len(slots_axis)} slot counts, at the default link")
+    with tqdm(total=total, desc="host axis", unit="prompt") as bar:
+        for ratio in ratios:
+            host = embedded.default_host(ratio, cell_link)
+            for slots in slots_axis:
+                instances, _ = load_instances(methods, slots, cell_link, prepare=prepare,
+                                              fp8=getattr(args, "fp8", False), host=host)
+                for w, ids in prompts.items():
+                    runs = side_by_side(instances, ids, tokens, on_prompt=lambda i: bar.update(1))
+                    cell = map_cell(MAP_HOST_LINK, slots, w, len(ids) - 1, runs)
+                    cell.update(host_ratio=ratio, host_per_token={m: c.host_experts_per_token
+                                                                  for m, c in runs.counters.items()})
+                    cells.append(cell)
     return cells
 
 
@@ -100,11 +156,12 @@ def _best(cell: dict) -> float:
     return cell["tok_s"]["specfit"] / best if best else 0.0
 
 
-def _map_grid(cells: list[dict], workload: str, value) -> tuple[list, list, list[list]]:
-    """(ratios, slots, grid[ratio][slot]) of ``value(cell)`` for one workload (None where a cell is missing)."""
-    ratios = sorted({c["link_ratio"] for c in cells})
+def _map_grid(cells: list[dict], workload: str, value, key: str = "link_ratio") -> tuple[list, list, list[list]]:
+    """(ratios, slots, grid[ratio][slot]) of ``value(cell)`` for one workload (None where a cell is missing); rows by
+    ``key`` (``"host_ratio"``: the host axis)."""
+    ratios = sorted({c[key] for c in cells})
     slots = sorted({c["slots"] for c in cells})
-    at = {(c["link_ratio"], c["slots"]): c for c in cells if c["workload"] == workload}
+    at = {(c[key], c["slots"]): c for c in cells if c["workload"] == workload}
     return ratios, slots, [[value(at[r, s]) if (r, s) in at else None for s in slots] for r in ratios]
 
 
@@ -130,7 +187,30 @@ def report(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(cells: list[dict], path: Path) -> None:
+def report_host(cells: list[dict]) -> str:
+    """The host axis as tables: SpecFit / the best baseline (all on ``cold="auto"``), SpecFit / EAGLE-3, and AR on
+    ``"auto"`` / AR with every cold expert copied (what the host lane alone gives)."""
+    lines = ["\nHost axis (default link; an emulated host lane reading experts <ratio> x as fast as the link copies "
+             "them; every method on cold='auto'; whole calls, wall clock, CPU: not GPU speed):"]
+    panels = [("SpecFit / the best of AR, EAGLE-3 and prompt lookup (A/E/P: which)", _best, True),
+              ("SpecFit / EAGLE-3", lambda c: c["tok_s"]["specfit"] / c["tok_s"]["eagle3"], False),
+              ("AR cold='auto' / AR every cold expert copied", lambda c: c["tok_s"]["ar"] / c["tok_s"]["ar-copy"],
+               False)]
+    for w in sorted({c["workload"] for c in cells}):
+        for title, value, tagged in panels:
+            ratios, slots, grid = _map_grid(cells, w, value, "host_ratio")
+            _, _, which = _map_grid(cells, w, lambda c: SHORT[max(MAP_BASELINES, key=lambda m: c["tok_s"][m])],
+                                    "host_ratio")
+            lines.append(f"[{w}] {title}; rows: host lane / link bandwidth, columns: slots")
+            lines.append("host   " + "".join(f"{s:>8}" for s in slots))
+            for ratio, row, tags in zip(ratios, grid, which):
+                lines.append(f"{ratio:<7g}" + "".join(f"{'-':>8}" if v is None else
+                                                      (f"{v:>7.2f}{t}" if tagged else f"{v:>8.2f}")
+                                                      for v, t in zip(row, tags)))
+    return "\n".join(lines)
+
+
+def plot(cells: list[dict], path: Path, host: bool = False) -> None:
     try:
         import matplotlib
 
@@ -142,8 +222,9 @@ def plot(cells: list[dict], path: Path) -> None:
     workloads = sorted({c["workload"] for c in cells})
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.8 * len(workloads), 3.8), squeeze=False)
     for ax, w in zip(axes[0], workloads):
-        ratios, slots, grid = _map_grid(cells, w, _best)
-        _, _, which = _map_grid(cells, w, lambda c: SHORT[max(MAP_BASELINES, key=lambda m: c["tok_s"][m])])
+        key = "host_ratio" if host else "link_ratio"
+        ratios, slots, grid = _map_grid(cells, w, _best, key)
+        _, _, which = _map_grid(cells, w, lambda c: SHORT[max(MAP_BASELINES, key=lambda m: c["tok_s"][m])], key)
         values = [[float("nan") if v is None else v for v in row] for row in grid]
         im = ax.imshow(values, cmap="RdYlGn", vmin=0.6, vmax=1.6, origin="lower", aspect="auto")
         for a in range(len(ratios)):
@@ -153,9 +234,10 @@ def plot(cells: list[dict], path: Path) -> None:
         ax.set_xticks(range(len(slots)), [str(s) for s in slots])
         ax.set_yticks(range(len(ratios)), ["none" if r == 0 else f"{r:g}x" for r in ratios])
         ax.set_xlabel("expert slots per layer (of 64)")
-        ax.set_ylabel("link: a token's expert copies / its compute")
-        ax.set_title(f"{w}: SpecFit / best of AR (A), EAGLE-3 (E), prompt lookup (P)\nwhole calls, wall clock, CPU",
-                     fontsize=8)
+        ax.set_ylabel("host lane: its expert bandwidth / the link's" if host else
+                      "link: a token's expert copies / its compute")
+        ax.set_title(f"{w}: SpecFit / best of AR (A), EAGLE-3 (E), prompt lookup (P)\nwhole calls, wall clock, CPU"
+                     + (", emulated host lane, default link" if host else ""), fontsize=8)
         fig.colorbar(im, ax=ax, shrink=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -303,20 +303,22 @@ class LayerCache:
         counters.prefetch_bytes += counters.bytes_copied - before
         counters.prefetch_copies += len(plan.loads)
 
-    def start(self, needed: list[int], counters: Counters) -> Fetch:
+    def start(self, needed: list[int], counters: Counters, host: int = 0) -> Fetch:
         """Plan one forward's experts for this layer, count them, and start their copies: the loads, and the first
         two streamed experts (into the scratch ring) right behind them, so the link never idles while the hits
         compute. A load into a slot that a prefetch is still filling goes last, in its own batch, after that
         prefetch (write after write), so it delays no other copy of the layer, and ``ready`` yields it as its own
         group, so it delays no other load's compute. (It may delay a later layer's copies on the FIFO demand stream
         only in principle: the next layer's routes reach the host after this layer's compute, the late load's
-        included, has run.)"""
+        included, has run.) ``needed``: the experts computed on the device; ``host``: how many more the layer
+        computes on the host lane this forward (counted here, in demand; they take no slot)."""
         plan = self.lru.plan(needed, confirmed=False)
         with self._undo_on_failure(plan):
             if self._prefetched:  # wasted: prefetched, but not a hit of this forward (unneeded, or evicted meanwhile)
                 counters.prefetch_wasted += len(self._prefetched - {e for e, _ in plan.hits})
                 self._prefetched.clear()
-            counters.demand += len(needed)
+            counters.demand += len(needed) + host
+            counters.host_experts += host
             counters.hits += len(plan.hits)
             counters.misses += plan.misses
             counters.streamed += len(plan.streamed)

@@ -2,10 +2,12 @@
 instead of the module's own (released) parameters.
 
 Per layer and forward: the routes reach the host once (the one planned host sync: the layer's experts are known
-only then); the host plans everything else — which experts are hits, loads or streamed, and for each group of
+only then; with a host lane in use the layer's rows come with them, in the same transfer); the host plans everything
+else — which experts are hits, copies (loads or streamed) or host experts (``cold.py``), and for each group of
 experts that become ready together (``LayerCache.ready``), which rows each reads and where its outputs go — and sends
-those indices to the device in one transfer that does not stop the host (``transfer.Staging``). Compute then runs a
-few batched calls per group, the hits' compute overlapping the misses' copies:
+those indices to the device in one transfer that does not stop the host (``transfer.Staging``). The host experts go
+to the host lane (``host_compute.py``), which computes them beside the device; compute on the device then runs a few
+batched calls per group, the hits' compute overlapping the misses' copies and the host lane:
 
 - *grouped over the slots* (CUDA, bfloat16, no expert biases): one ``grouped_mm`` per projection over *all* slots,
   with the rows sorted by slot and per-slot offsets, so no weight is copied on the device (transformers' grouped_mm
@@ -20,8 +22,9 @@ No path pads an expert's rows to a busier expert's count: a matmul's row can rou
 (in bf16 and fp16, and in fp32 on the CPU), so padding would make the result depend on which experts share a group,
 that is on what the slot cache held, and a prompt's forward would not give plain ``generate()``'s logits.
 
-The result does not depend on which experts were resident: every (token, k) contribution is written to its own row
-and the k rows of a token are summed in a fixed order at the end, as transformers' batched path does.
+The result does not depend on which experts were resident or where they were computed: every (token, k)
+contribution, the host lane's included, is written to its own row and the k rows of a token are summed in a fixed
+order at the end, as transformers' batched path does.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.torch_version import TorchVersion
 from ..seam import experts as hf_experts
 from .cache import Group
 from ..transfer import to_host
+from .cold import ReuseEstimate, choose_host
 
 ATTR = "_specfit"  # attribute on each patched experts module, pointing to its LayerRuntime
 log = logging.getLogger("specfit")
@@ -45,16 +49,28 @@ class LayerRuntime:
     def __init__(self, runtime, index: int, cache):
         # runtime: the SpecFitRuntime (model.specfit); cache: this layer's LayerCache; index: 0-based among MoE layers
         self.runtime, self.index, self.cache = runtime, index, cache
+        self.reuse = ReuseEstimate()  # how often this layer's experts were used lately ("auto" values copies by it)
 
     def forward(self, module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, rows_out: list | None = None) -> torch.Tensor:
         rt = self.runtime
         num_tokens, top_k = top_k_index.shape
         rt.routes.record(self.index, top_k_index)
-        flat = to_host(top_k_index.reshape(-1))[0]  # [T*k] the one planned host sync per layer
+        lane = None if rt.untracked else rt.lane_for(num_tokens)  # None: every cold expert is copied
+        # [T*k] the one planned host sync per layer; with a lane, the rows [T, H] on the host come with it
+        flat, x_host = routes_to_host(top_k_index, hidden_states, lane is not None)
         rows = rows_by_expert(flat)  # expert -> its (token, k) rows, on the host: no device bincount
         needed = sorted(rows)
-        fetch = None if rt.untracked else self.cache.start(needed, rt.forward_counters)
+        host = []
+        if rt.untracked:
+            fetch = None
+        else:
+            if lane is not None:
+                host = self._cold(needed, rows)
+            self.reuse.observe(needed)
+            on_host = set(host)
+            device = [e for e in needed if e not in on_host]
+            fetch = self.cache.start(device, rt.forward_counters, host=len(host))
         groups = [("untracked", needed, None)] if fetch is None else fetch.groups
         grouped = rt.grouped_experts and fetch is not None
         gathered = gathered_path(hidden_states.device)
@@ -64,11 +80,21 @@ class LayerRuntime:
             ready = iter([Group("untracked", needed, None, self._untracked([e for p in plans[0] for e in p.experts]))])
         else:
             ready = self.cache.ready(fetch)
-        # every index of the layer in one host -> device transfer: rows to read and write, slots, offsets
-        index = rt.staging.to_device(*[a for group in plans for p in group for a in p.arrays()])
+        # the host lane's calls, run by run of consecutive experts (each run's weights: one view of the arena)
+        host_plans = [p for run in consecutive_runs(host) for p in plan_group(rows, top_k, run, None, HOST_PATH, 0)]
+        # every index of the layer in one host -> device transfer: rows to read and write, slots, offsets; then where
+        # the host lane's outputs go
+        host_dest = [d for p in host_plans for d in p.dest]
+        index = rt.staging.to_device(*[a for group in plans for p in group for a in p.arrays()],
+                                     *([host_dest] if host else []))
         index = iter([index] if isinstance(index, torch.Tensor) else index)
         hidden = hidden_states.shape[-1]
         out = hidden_states.new_empty(num_tokens * top_k, hidden)  # [T*k, H]: one row per (token, k)
+        ticket = None
+        if host:  # after the copies were issued (the link runs), before the device's compute (the lane runs beside)
+            nbytes = rt.store.expert_bytes
+            ticket = lane.submit(host_work(module, rt.store, self.index, x_host, host_plans),
+                                 [(nbytes, len(rows[e])) for e in host], rt.forward_counters)
         for group_plans in plans:
             group = next(ready)
             first = 0  # where the plan's experts start in a group's own buffer (streamed, untracked)
@@ -92,6 +118,8 @@ class LayerRuntime:
                 out.index_copy_(0, dest, y.reshape(-1, hidden))
         for _ in ready:  # the last group's waits are done; close the generator (marks the scratch ring free)
             pass
+        if ticket is not None:  # the host lane's outputs join the device's rows before the fixed-order sum
+            out.index_copy_(0, next(index), lane.join(ticket, rt.forward_counters))
         if rows_out is not None:
             rows_out.append(out)
         return combine(out, top_k_weights)
@@ -123,6 +151,24 @@ class LayerRuntime:
                 (grad_x,) = torch.autograd.grad(y.reshape(-1, y.shape[-1]), x, grad_rows.index_select(0, dest))
             grad.index_add_(0, take, grad_x.to(hidden_states.dtype))
         return grad
+
+    def _cold(self, needed: list[int], rows: dict[int, list[int]]) -> list[int]:
+        """The experts of ``needed`` this forward computes on the host lane: none (``cold="copy"``), every one not
+        resident (``"host"``), or those ``cold.choose_host`` picks (``"auto"``)."""
+        rt, lru = self.runtime, self.cache.lru
+        cold = [e for e in needed if lru.slot_of(e) is None]
+        if not cold or rt.cold != "auto":
+            return cold if rt.cold == "host" else []
+        resident = lru.resident  # expert -> slot, least recently used first: the order loads evict in
+        used = set(needed)
+        victims = [0.0] * (lru.num_slots - len(resident))  # free slots first, then the LRU residents not used now
+        for v in resident:
+            if len(victims) >= len(cold):
+                break
+            if v not in used:
+                victims.append(self.reuse.reuse(v))
+        return choose_host(cold, {e: len(rows[e]) for e in cold}, rt.copy_seconds(), rt.host_seconds,
+                           self.reuse.reuse, victims, rt.link_busy())
 
     def _untracked(self, needed: list[int]) -> torch.Tensor:
         """The needed experts' weights [n, numel] straight from the arena, for the route oracle's measurement
@@ -179,6 +225,61 @@ class TrainableExperts(torch.autograd.Function):
         return grad_hidden, grad_weights, None, None, None
 
 
+def routes_to_host(top_k_index: torch.Tensor, hidden_states: torch.Tensor, with_rows: bool,
+                   as_bytes: bool | None = None):
+    """(flat routes [T*k] as NumPy, the rows [T, H] on the host or None): one transfer, the layer's one planned host
+    sync. The rows come only ``with_rows`` (a host lane may compute some of the layer's experts), packed as bytes
+    beside the routes (``as_bytes``; default: on a device other than the CPU, where they are the rows themselves)."""
+    if not with_rows:
+        return to_host(top_k_index.reshape(-1))[0], None
+    if not (hidden_states.device.type != "cpu" if as_bytes is None else as_bytes):
+        return to_host(top_k_index.reshape(-1))[0], hidden_states
+    # as bytes: NumPy has no bfloat16; viewed back as the compute dtype on the host
+    flat, raw = to_host(top_k_index.reshape(-1), hidden_states.contiguous().view(torch.uint8))
+    return flat, torch.from_numpy(raw).view(hidden_states.dtype)
+
+
+def host_work(module, store, layer: int, x_host: torch.Tensor, plans: list):
+    """The host lane's work for one layer: each plan's experts (consecutive ids) computed from their arena rows (a
+    view, as stored: FP8 dequantized per use) on the rows the plan takes, over exactly their own rows as the CPU
+    computes a gathered group (``HOST_PATH``). Returns a function giving their outputs [R, H] on the host, in
+    ``plans``' dest order."""
+    arena = store.arenas[layer]  # [E, numel] in host memory
+
+    def work() -> torch.Tensor:
+        out = []
+        for plan in plans:
+            experts = plan.experts
+            w = arena[experts[0]: experts[0] + len(experts)] if experts[-1] - experts[0] == len(experts) - 1 else \
+                arena.index_select(0, torch.as_tensor(experts))  # [n, numel]
+            parts = store.compute_parts(w)  # [n, ...] in the compute dtype
+            x = x_host.index_select(0, torch.as_tensor(plan.take))  # [rows, H]
+            if plan.how == OWN:
+                offsets = torch.as_tensor(plan.offsets, dtype=torch.int32)
+                y = hf_experts.experts_forward_grouped(module, x, *parts[:2], offsets, *parts[2:])  # [rows, H]
+            else:
+                y = hf_experts.experts_forward_batched(module, x.view(len(experts), plan.width, -1), *parts)
+            out.append(y.reshape(-1, x.shape[-1]))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    return work
+
+
+def consecutive_runs(experts: list[int]) -> list[list[int]]:
+    """Ascending ids split into runs of consecutive ones.
+
+    >>> consecutive_runs([1, 2, 3, 7, 9, 10])
+    [[1, 2, 3], [7], [9, 10]]
+    """
+    runs: list[list[int]] = []
+    for e in experts:
+        if runs and runs[-1][-1] == e - 1:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs
+
+
 class GroupPlan:
     """Host-side indices of one matmul call of a group: its ``experts``, ``take`` (token rows read), ``dest``
     ((token, k) rows written), the ``slots`` to gather (None: grouped over every slot, or the group's own buffer
@@ -204,6 +305,9 @@ def gathered_path(device: torch.device) -> str:
     """How a group with gathered weights computes: ``OWN`` on the CPU (there ``grouped_mm`` is one matmul per group in
     any dtype, transformers' own computation), else ``BUCKETS`` (CUDA's grouped matmuls take bf16 only)."""
     return OWN if device.type == "cpu" and _CPU_GROUPED_MM else BUCKETS
+
+
+HOST_PATH = gathered_path(torch.device("cpu"))  # how the host lane computes: as the CPU computes a gathered group
 
 
 def plan_group(rows: dict[int, list[int]], top_k: int, experts: list[int], slots: list[int] | None, how: str,

@@ -4,7 +4,8 @@ checkpoint's ``quantization_config.quant_method`` (None: unquantized); the next 
 class and one more entry in ``FORMATS``. Every other quantization is refused up front, by name.
 
 A format's row is what a copy moves: ``row_numel`` elements of ``arena_dtype`` (``expert_bytes`` bytes), the same
-bytes in host memory and in a device slot.
+bytes in host memory and in a device slot. ``host_path``: the host lane can compute the format's experts on the host
+CPU, from the arena rows as stored (``offload/cold.py``); a format without one is always copied.
 
 - ``DenseFormat``: ``gate_up [2I, H]``, ``down [H, I]`` (+ biases) in the checkpoint's float dtype
   (``seam.layers.ExpertLayout``); computed in the model's dtype (an exact upcast where the checkpoint is narrower,
@@ -35,6 +36,7 @@ class DenseFormat:
     compute_dtype: torch.dtype
     name = "dense"
     suffixes = ()  # checkpoint key suffixes beside ``.weight`` this format reads
+    host_path = True  # the host lane computes it from the arena row as stored (an upcast where narrower)
 
     def __post_init__(self):
         if self.compute_dtype.itemsize == 1:  # e.g. transformers' FP8Experts, loaded where it runs FP8 kernels
@@ -90,6 +92,7 @@ class BlockFP8Format:
     name = "fp8"
     suffixes = ("weight_scale_inv",)
     arena_dtype = torch.uint8
+    host_path = True  # the host lane dequantizes the row per use, as the device does
 
     def __post_init__(self):
         if self.layout.bias:
@@ -189,6 +192,11 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     scale = (blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
     q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.reshape(rows, cols), scale
+
+
+def host_path_formats() -> list[str]:
+    """Names of the stored formats whose experts the host lane computes (``host_path``)."""
+    return [f.name for f in (DenseFormat, BlockFP8Format) if f.host_path]
 
 
 # --- the registry --------------------------------------------------------------------------------------------------

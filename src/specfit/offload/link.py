@@ -68,22 +68,39 @@ def sleep_until(t: float) -> None:
             time.sleep(left - _SPIN_BELOW)
 
 
-class EmulatedLink:
-    def __init__(self, config: LinkConfig):
-        self.config = config
-        self._free_at = 0.0  # when the link finishes its last queued copy
+class Timeline:
+    """One emulated resource that serves its work one item after the other (a DMA engine, the host lane): work
+    queued now starts when the resource is free and occupies it for a set time; the work's readiness is a
+    ``perf_counter`` timestamp, so whatever the CPU does meanwhile overlaps it, with no thread."""
 
-    def issue(self, nbytes: int) -> float:
-        """Queue one copy; return the perf_counter time at which it lands."""
+    def __init__(self):
+        self._free_at = 0.0  # when the resource finishes its last queued work
+
+    def occupy(self, seconds: float) -> float:
+        """Queue ``seconds`` of work; return the perf_counter time at which it is done."""
         start = max(time.perf_counter(), self._free_at)
-        self._free_at = start + self.config.copy_time(nbytes)
+        self._free_at = start + seconds
         return self._free_at
 
     def wait(self, ready_at: float) -> float:
-        """Block until a copy has landed; return the seconds spent waiting."""
+        """Block until work queued earlier is done; return the seconds spent waiting."""
         t0 = time.perf_counter()
         sleep_until(ready_at)
         return max(0.0, time.perf_counter() - t0)
 
+    def busy(self) -> float:
+        """Seconds of work still queued ahead of anything queued now."""
+        return max(0.0, self._free_at - time.perf_counter())
+
     def reset(self) -> None:
         self._free_at = 0.0
+
+
+class EmulatedLink(Timeline):
+    def __init__(self, config: LinkConfig):
+        super().__init__()
+        self.config = config
+
+    def issue(self, nbytes: int) -> float:
+        """Queue one copy; return the perf_counter time at which it lands."""
+        return self.occupy(self.config.copy_time(nbytes))

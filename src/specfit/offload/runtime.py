@@ -17,6 +17,8 @@ from ..transfer import Staging
 from .cache import CopyEngine, LayerCache
 from .config import OffloadConfig
 from .experts import LayerRuntime, choose_experts_path
+from .host_compute import ROWS_WITH_ROUTES, InlineLane, ThreadedLane, measure_lane
+from .host_lane import EmulatedHostLane
 from .link import EmulatedLink
 from .routes import RouteRecorder
 from .store import ExpertStore
@@ -41,6 +43,12 @@ class SpecFitRuntime:
         # experts grouped over all slots where the device can (CUDA, bf16): no per-layer copy of gathered weights
         self.grouped_experts = store.rows_are_weights and choose_experts_path(self.device, store.dtype, store.layout)
         self.forward_counters = Counters()
+        # where cold experts are computed (offload/cold.py; switched by the calibration probes) and the host lane
+        # that computes them beside the device: emulated on a CPU (config.host), real on CUDA, else none
+        self.cold = config.cold
+        self.experts_module = None  # the first MoE layer's experts module (set by enable): the real lane is timed on it
+        self.lane = InlineLane(EmulatedHostLane(config.host)) if config.host is not None else \
+            ThreadedLane(self.device) if self.device.type == "cuda" else None
         # one call at a time on this model: the slot LRU, the counters, the route recorder, the drafter's features
         # and the pending assistant request are per model (reentrant: generate() holds it across its forwards)
         self.lock = threading.RLock()
@@ -75,6 +83,65 @@ class SpecFitRuntime:
     @property
     def link_label(self) -> str:
         return self.config.link.label if self.config.link else "real copies"
+
+    @property
+    def host_label(self) -> str:
+        """What computes host experts: the emulated lane's label, the real host, or none."""
+        if self.config.host is not None:
+            return self.config.host.label
+        return "the host CPU" if self.lane is not None else "no host lane"
+
+    def lane_for(self, num_tokens: int):
+        """The host lane a forward of ``num_tokens`` tokens may compute cold experts on, or None (``cold="copy"``,
+        no lane; on CUDA under ``"auto"``, a forward too long for its rows to come with the routes: a prefill)."""
+        if self.cold == "copy" or self.lane is None:
+            return None
+        if self.lane.real and self.cold == "auto" and num_tokens > ROWS_WITH_ROUTES:
+            return None
+        return self.lane
+
+    def copy_seconds(self) -> float:
+        """The link's own time for one expert copy (the stored bytes of one expert): the emulated link's set time
+        (the one in use), on CUDA the bytes over the measured pinned bandwidth, 0 for a CPU memcpy."""
+        if self.engine.link is not None:
+            return float(self.engine.link.config.copy_time(self.store.expert_bytes))
+        if self.device.type == "cuda":
+            from .bandwidth import copy_seconds
+
+            return copy_seconds(self)
+        return 0.0
+
+    def host_seconds(self, tokens: int = 1) -> float | None:
+        """The host lane's own time for one expert with ``tokens`` routed to it (an emulated lane's set time; on
+        CUDA measured once, at 1 and 32 tokens, on the first expert); None without a lane."""
+        if self.lane is None:
+            return None
+        if self.lane.real and self.lane.measured is None:
+            self._measure_lane()
+        return self.lane.expert_seconds(self.store.expert_bytes, tokens)
+
+    def link_busy(self) -> float:
+        """Seconds of copies the emulated link still has queued (prefetches), 0 elsewhere."""
+        return self.engine.link.busy() if self.engine.link is not None else 0.0
+
+    def _measure_lane(self) -> None:
+        """Time the real host lane on expert 0 of the first MoE layer, at 1 and 32 tokens (once per runtime)."""
+        import numpy as np
+
+        from .experts import host_work, plan_group, rows_by_expert
+
+        if self.experts_module is None:
+            raise RuntimeError("the host lane is measured on the model's experts: enable() sets experts_module")
+        x = torch.randn(32, self.store.hidden, dtype=self.store.compute_dtype)  # [32, H] on the host
+
+        def work(tokens):
+            rows = rows_by_expert(np.zeros(tokens, dtype=np.int64))  # expert 0 <- rows 0..tokens-1
+            plan = plan_group(rows, 1, tokens, [0], None, False, 0)
+            return host_work(self.experts_module, self.store, 0, x, [[0]], [plan])
+
+        measure_lane(self.lane, work)
+        log.info("specfit host lane: %.3f ms per expert at 1 token, %.1f us per extra token",
+                 self.lane.measured[0] * 1e3, self.lane.measured[1] * 1e6)
 
     def resident_mask(self):
         """bool [layers, experts]: which experts sit in a device slot now."""
@@ -156,5 +223,6 @@ class SpecFitRuntime:
     def __repr__(self) -> str:
         return (f"SpecFitRuntime(moe_layers={len(self.layers)}, experts={self.num_experts}, "
                 f"slots={self.config.cache_slots}, cache_mode={self.config.cache_mode!r}, link={self.link_label!r}, "
+                f"cold={self.cold!r}, host={self.host_label!r}, "
                 f"device={self.device}, pinned_bytes={self.store.pinned_bytes}, "
                 f"weight_bytes={self.store.weight_bytes}, pageable_copies={self.stats.total.pageable_copies})")

@@ -1,5 +1,6 @@
 """The monotone NNLS fit of the cycle-time model (see ``specfit.selection.cost_model``): timed cycles in, the
-intercepts, ``beta`` and the copy coefficient's two parts out, with intercepts that never fall with the node count.
+intercepts, ``beta``, the copy coefficient's two parts and (where the records computed experts on the host lane) the
+host coefficient's two parts out, with intercepts that never fall with the node count.
 
 Pure NumPy (and SciPy's ``nnls``), no import of the model: ``CostModel.fit`` calls ``fit_coefficients``, and
 ``specfit.selection.fit_quality`` refits it hundreds of times (bootstrap, cross-validation).
@@ -24,24 +25,34 @@ class Coefficients(NamedTuple):
     copy_overhead: float  # seconds per expert copied, beside the link's own time (0 for the paper's model)
     link_share: float  # share of the link's time per copy a cycle waits for (1 when it cannot be told apart)
     observed: list  # node counts with records
+    host_overhead: float | None = None  # seconds per host expert beside the lane's own time (None: no host records)
+    host_share: float | None = None  # share of the lane's time per host expert a cycle waits for
 
     def predict(self, rows: np.ndarray) -> np.ndarray:
-        """Seconds for ``[R, 5]`` rows of (n_nodes, demand, seconds, misses, link_seconds)."""
-        n, demand, _, misses, link = np.asarray(rows, float).T
-        return (np.asarray(self.intercepts)[n.astype(int)] + self.beta * demand
-                + misses * (self.copy_overhead + self.link_share * link))
+        """Seconds for ``[R, 7]`` rows of (n_nodes, demand, seconds, misses, link_seconds, host, host_seconds)."""
+        n, demand, _, misses, link, host, lane = as_rows(rows).T
+        seconds = (np.asarray(self.intercepts)[n.astype(int)] + self.beta * demand
+                   + misses * (self.copy_overhead + self.link_share * link))
+        if self.host_overhead is not None:
+            seconds = seconds + host * (self.host_overhead + self.host_share * lane)
+        return seconds
 
+
+FIELDS = 7  # (n_nodes, demand, seconds, misses, link_seconds, host, host_seconds)
 
 
 def as_rows(records) -> np.ndarray:
-    """Records as float ``[R, 5]`` rows of (n_nodes, demand, seconds, misses, link_seconds); 3-field records get no
-    misses and no link."""
+    """Records as float ``[R, 7]`` rows of (n_nodes, demand, seconds, misses, link_seconds, host, host_seconds):
+    ``misses`` experts copied over a link whose own time per copy was ``link_seconds``, ``host`` experts computed on
+    a host lane whose own time per expert was ``host_seconds``. 3- and 5-field records get what they lack as 0."""
+    if isinstance(records, np.ndarray) and records.ndim == 2 and records.shape[1] == FIELDS:
+        return records.astype(float, copy=False)
     rows = [tuple(r) for r in records]
-    out = np.zeros((len(rows), 5))
+    out = np.zeros((len(rows), FIELDS))
     for i, r in enumerate(rows):
-        if len(r) not in (3, 5):
-            raise ValueError(f"record {i} has {len(r)} fields; give (n_nodes, demand, seconds) or (n_nodes, demand, "
-                             f"seconds, misses, link_seconds)")
+        if len(r) not in (3, 5, FIELDS):
+            raise ValueError(f"record {i} has {len(r)} fields; give (n_nodes, demand, seconds), (n_nodes, demand, "
+                             f"seconds, misses, link_seconds) or those and (host, host_seconds)")
         out[i, : len(r)] = r
     return out
 
@@ -58,7 +69,10 @@ def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: floa
     instead of one free intercept per count keeps NNLS from trading intercepts against beta when demand grows with
     the count. When the records' copies ran over one link only (a GPU, or a CPU run with one emulated link),
     ``link_share`` cannot be told from ``copy_overhead``: it is held at 1 (a copy waits for all of the link's time)
-    and the link's time is taken off the seconds before the fit. A count with no record has no data for its
+    and the link's time is taken off the seconds before the fit. Records that computed experts on a host lane add
+    the host coefficient's two parts the same way: ``host_overhead`` per host expert and ``host_share`` of the
+    lane's own time per expert (held at 1 when the records ran on one lane only); without such records both are
+    None. A count with no record has no data for its
     intercept: it is filled by linear interpolation between the nearest observed counts, or beyond the observed
     range by extending the line through the two nearest observed counts (clamped at ``floor``; flat if only one
     count was observed).
@@ -67,13 +81,11 @@ def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: floa
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    rows = np.asarray(rows, dtype=float)
-    if rows.ndim != 2 or rows.shape[1] != 5:
-        rows = as_rows(rows)
-    n_nodes, demand, seconds, misses, link = rows.T
+    rows = as_rows(rows)
+    n_nodes, demand, seconds, misses, link, host, lane = rows.T
     if not np.all(np.isfinite(rows)) or np.any(rows < 0) or np.any(n_nodes != np.round(n_nodes)):
         raise ValueError("records must be (n_nodes >= 0 integer, demand >= 0, seconds >= 0, misses >= 0, "
-                         "link_seconds >= 0), all finite")
+                         "link_seconds >= 0, host >= 0, host_seconds >= 0), all finite")
     observed = sorted({int(n) for n in n_nodes})
     if len(rows) < len(observed) + 2:
         raise ValueError(
@@ -91,8 +103,11 @@ def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: floa
                          "copy coefficient cannot be told from beta; probe with fewer slots or colder caches")
     links = np.unique(link[misses > 0]) if aware else np.zeros(0)
     share = len(links) >= 2  # the link's share is fitted only where the records ran over two links or more
+    hosted = aware and bool(np.any(host > 0))  # records with host experts: the host term is fitted
+    host_share = hosted and len(np.unique(lane[host > 0])) >= 2
 
     # columns: base, increment to observed[1], .., increment to observed[-1], demand[, misses[, misses x link]]
+    # [, host[, host x host_seconds]]
     rank = np.searchsorted(observed, n_nodes)
     columns = [np.arange(len(observed))[None, :] <= rank[:, None], demand[:, None]]
     target = seconds - floor
@@ -102,6 +117,12 @@ def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: floa
             columns.append((misses * link)[:, None])
         else:
             target = target - misses * link
+    if hosted:
+        columns.append(host[:, None])
+        if host_share:
+            columns.append((host * lane)[:, None])
+        else:
+            target = target - host * lane
     features = np.hstack(columns).astype(float)
     scale = np.linalg.norm(features, axis=0)  # demand is ~1e3 times the indicator columns; equalise for NNLS
     scale[scale == 0] = 1.0
@@ -111,8 +132,11 @@ def fit_coefficients(rows: np.ndarray, max_nodes: int | None = None, floor: floa
     values = floor + np.cumsum(coef[:k])
     overhead = float(coef[k + 1]) if aware else 0.0
     link_share = float(coef[k + 2]) if share else 1.0
+    at = k + 2 + share  # the host columns, after the copy columns
+    host_overhead = float(coef[at]) if hosted else None
+    host_part = (float(coef[at + 1]) if host_share else 1.0) if hosted else None
     return Coefficients(_fill(observed, values.tolist(), top, floor), float(coef[k]), overhead,
-                        link_share if aware else 0.0, observed)
+                        link_share if aware else 0.0, observed, host_overhead, host_part)
 
 
 def _fill(observed: list[int], values: list[float], top: int, floor: float = 0.0) -> list[float]:

@@ -1,20 +1,24 @@
-"""The cycle-time model: ``time = intercepts[n] + beta * demand + copy * misses``.
+"""The cycle-time model: ``time = intercepts[n] + beta * demand + miss * misses``.
 
 ``n`` is the number of draft nodes a cycle verifies (the root token not counted), ``demand`` the experts the cycle
 *computes* (``sum over layers of |union of the experts the verified tokens route to|``) and ``misses`` the experts it
-*copies* (those of the demand not resident in the slot cache when the cycle starts). ``intercepts[n]`` holds
-everything that does not scale with experts (drafting, attention, dense layers, launch overhead); ``beta`` is the
-compute of one expert (real on a CPU, small on a GPU); ``copy`` is the time one copy adds. A cycle's misses are known
-at selection time from the live residency mask of the slot cache, so the selector prices what the verify forward
-will really move (``cost="cache-aware"``, the default). The paper's model is the special case ``copy = 0``: every
-expert of demand costs the same ``beta``, resident or not (``cost="paper"``).
+*misses* (those of the demand not resident in the slot cache when the cycle starts: its cold experts, each copied or
+computed on the host lane). ``intercepts[n]`` holds everything that does not scale with experts (drafting,
+attention, dense layers, launch overhead); ``beta`` is the compute of one expert (real on a CPU, small on a GPU);
+``miss`` is the time one cold expert adds: ``copy`` (a copy into a slot) under ``cold="copy"``, ``host`` (computed on
+the host lane) under ``"host"``, the cheaper of the two under ``"auto"``, once per cycle and expert. A cycle's misses
+are known at selection time from the live residency mask of the slot cache, so the selector prices what the verify
+forward will really move or compute on the host (``cost="cache-aware"``, the default). The paper's model is the
+special case ``miss = 0``: every expert of demand costs the same ``beta``, resident or not (``cost="paper"``).
 
 One profile per machine and model. ``copy`` belongs to the link, not to the profile: a profile stores
 ``copy_overhead`` (what a copy costs besides the link's own time: bookkeeping, the slot write) and ``link_share``
 (the share of the link's time a cycle waits for), and ``priced(link_seconds)`` makes the model for a link whose one
 copy takes ``link_seconds`` (an emulated link: its set time per copy of this expert's bytes; CUDA: bytes over the
-measured pinned bandwidth). Slots change only how often an expert misses, not what a miss costs, so the same profile
-prices any slot count, cache mode and link.
+measured pinned bandwidth). The host lane likewise: ``host_overhead`` and ``host_share`` of the lane's own time per
+expert, ``host_seconds`` (an emulated lane's set time; CUDA: measured once), so ``priced(link_seconds, host_seconds,
+cold)`` prices both. Slots change only how often an expert misses, not what a miss costs, so the same profile prices
+any slot count, cache mode, link and host lane.
 
 Two rules shape the fit. Verifying more nodes cannot be cheaper at equal demand and misses, so the intercepts never
 fall with ``n``: the fit solves non-negative least squares on the *increments* ``intercepts[n] - intercepts[n - 1]
@@ -38,6 +42,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
+from ..offload.cold import check_cold
 from .cost_fit import as_rows, fit_coefficients
 from .profile_files import FORMAT, RESERVED, VERSION, ProfileError, check_meta, field_number, first_non_finite, \
     read_profile
@@ -50,13 +55,15 @@ _TOLERANCE = 1e-12  # seconds: rounding slack when checking that intercepts cove
 class Record(NamedTuple):
     """One timed calibration cycle: ``n_nodes`` draft nodes verified, ``demand`` experts computed, ``seconds``;
     ``misses`` experts copied, each over a link whose own time per copy was ``link_seconds`` (0: no emulated link,
-    a plain memcpy)."""
+    a plain memcpy); ``host`` experts computed on a host lane whose own time per expert was ``host_seconds``."""
 
     n_nodes: int
     demand: float
     seconds: float
     misses: float = 0.0
     link_seconds: float = 0.0
+    host: float = 0.0
+    host_seconds: float = 0.0
 
 
 
@@ -77,6 +84,12 @@ class CostModel:
             ``beta``, the paper's model). ``priced(link_seconds)`` sets it from the two fields below.
         copy_overhead: seconds a copy adds beside the link's own time; None for a demand-only model.
         link_share: the share of the link's time per copy a cycle waits for; None for a demand-only model.
+        host: seconds per expert computed on the host lane this model is priced at (``priced`` sets it).
+        host_overhead: seconds a host expert adds beside the lane's own time; None for a model fitted without a
+            host lane (a profile from before issue 36).
+        host_share: the share of the lane's time per host expert a cycle waits for; None with ``host_overhead``.
+        cold: how the selector prices a cold expert (``miss``): ``"copy"``, ``"host"``, or ``"auto"`` (the
+            cheaper of the two).
 
     >>> m = CostModel(intercepts=(0.10, 0.11, 0.12), beta=0.2e-3, draft_level_seconds=(0.002, 0.004, 0.004))
     >>> round(m.predict(2, demand=500), 6)      # 0.12 + 500 * 0.0002: all three levels drafted
@@ -95,6 +108,10 @@ class CostModel:
     copy: float = 0.0
     copy_overhead: float | None = None
     link_share: float | None = None
+    host: float = 0.0
+    host_overhead: float | None = None
+    host_share: float | None = None
+    cold: str = "copy"
 
     def __post_init__(self):
         intercepts = tuple(field_number(a, f"intercepts[{i}]") for i, a in enumerate(self.intercepts))
@@ -109,6 +126,14 @@ class CostModel:
         if self.copy_overhead is not None:
             object.__setattr__(self, "copy_overhead", field_number(self.copy_overhead, "copy_overhead_s"))
             object.__setattr__(self, "link_share", field_number(self.link_share, "link_share"))
+        object.__setattr__(self, "host", field_number(self.host, "host"))
+        if (self.host_overhead is None) != (self.host_share is None):
+            raise ValueError("fields 'host_overhead_s' and 'host_share' come together (a model that prices the host "
+                             "lane) or not at all")
+        if self.host_overhead is not None:
+            object.__setattr__(self, "host_overhead", field_number(self.host_overhead, "host_overhead_s"))
+            object.__setattr__(self, "host_share", field_number(self.host_share, "host_share"))
+        check_cold(self.cold)
         levels = tuple(field_number(t, f"draft_level_seconds[{i}]") for i, t in enumerate(self.draft_level_seconds))
         object.__setattr__(self, "draft_level_seconds", levels)
         if sum(levels) > min(intercepts) + _TOLERANCE:
@@ -150,20 +175,51 @@ class CostModel:
         to any link; a demand-only model (the paper's, or a version-1/2 profile) has none."""
         return self.copy_overhead is not None
 
-    def priced(self, link_seconds: float) -> "CostModel":
+    @property
+    def prices_host(self) -> bool:
+        """Whether this model has a host coefficient of its own (fitted on a host lane), so ``priced`` can carry it
+        to any lane; without one a host expert is priced at the lane's own time."""
+        return self.host_overhead is not None
+
+    @property
+    def miss(self) -> float:
+        """Seconds one cold expert (of the demand, not resident) adds, as ``cold`` computes it: its copy, its host
+        time, or under ``"auto"`` the cheaper of the two (the selector's price per missing expert).
+
+        >>> CostModel((0.1,), 0.0, copy=3e-4, host=1e-4, cold="auto").miss
+        0.0001
+        """
+        if self.cold == "copy":
+            return self.copy
+        return self.host if self.cold == "host" else min(self.copy, self.host)
+
+    def priced(self, link_seconds: float, host_seconds: float | None = None, cold: str = "copy") -> "CostModel":
         """This profile on a link whose own time per expert copy is ``link_seconds`` (0: no link, a memcpy):
-        ``copy = copy_overhead + link_share * link_seconds``.
+        ``copy = copy_overhead + link_share * link_seconds``; and, with ``cold`` other than ``"copy"``, on a host lane
+        whose own time per expert is ``host_seconds``: ``host = host_overhead + host_share * host_seconds`` (the
+        lane's own time where the profile has no host term).
 
         >>> round(CostModel((0.1,), 1e-5, copy_overhead=1e-5, link_share=0.9).priced(1e-3).copy, 9)
         0.00091
+        >>> m = CostModel((0.1,), 1e-5, copy_overhead=1e-5, link_share=1.0, host_overhead=2e-5, host_share=0.5)
+        >>> round(m.priced(1e-3, 4e-4, "auto").miss, 9)   # the host: 2e-5 + 0.5 * 4e-4, below the copy's 1.01e-3
+        0.00022
         """
         if not self.prices_copies:
             raise ValueError("this cost model prices demand only (the paper's model, or a profile from before "
                              "version 3): it has no copy coefficient to carry to a link; recalibrate with this "
                              "version of `specfit calibrate`")
         link_seconds = field_number(link_seconds, "link_seconds")
-        return replace(self, copy=self.copy_overhead + self.link_share * link_seconds,
-                       meta={**self.meta, "priced_link_seconds": link_seconds})
+        check_cold(cold)
+        meta = {**self.meta, "priced_link_seconds": link_seconds}
+        host = 0.0
+        if cold != "copy":
+            if host_seconds is None:
+                raise ValueError(f"cold={cold!r} prices host experts: give the host lane's seconds per expert")
+            meta["priced_host_seconds"] = host_seconds = field_number(host_seconds, "host_seconds")
+            host = self.host_overhead + self.host_share * host_seconds if self.prices_host else host_seconds
+        return replace(self, copy=self.copy_overhead + self.link_share * link_seconds, host=host, cold=cold,
+                       meta=meta)
 
     def paper(self) -> "CostModel":
         """The paper's demand-only model (``cost="paper"``): this model itself when it prices demand only, else the
@@ -210,9 +266,9 @@ class CostModel:
                        draft_level_seconds=extra)
 
     def predict(self, n_nodes: int, demand: float, levels: int | None = None, misses: float = 0.0) -> float:
-        """Predicted seconds for a cycle verifying ``n_nodes`` draft nodes that computes ``demand`` experts and
-        copies ``misses`` of them, having drafted ``levels`` levels (None: the ``draft_levels`` the intercepts
-        include). With ``levels=0`` nothing was drafted, so nothing can be verified: ``n_nodes`` must be 0."""
+        """Predicted seconds for a cycle verifying ``n_nodes`` draft nodes that computes ``demand`` experts, ``misses``
+        of them cold (each priced at ``miss``), having drafted ``levels`` levels (None: the ``draft_levels`` the
+        intercepts include). With ``levels=0`` nothing was drafted, so nothing can be verified: ``n_nodes`` must be 0."""
         if not 0 <= n_nodes <= self.max_nodes:
             raise ValueError(f"n_nodes={n_nodes} is outside the fitted range 0..{self.max_nodes}")
         fixed = self.intercepts[n_nodes]
@@ -220,7 +276,15 @@ class CostModel:
             if levels == 0 and n_nodes > 0:
                 raise ValueError(f"n_nodes={n_nodes} with levels=0: a cycle that drafts nothing verifies no node")
             fixed = max(fixed + self.drafting_seconds(levels) - sum(self.draft_level_seconds), 0.0)
-        return fixed + self.beta * demand + self.copy * misses
+        return fixed + self.beta * demand + self.miss * misses
+
+    def record_seconds(self, record) -> float:
+        """A calibration record's predicted seconds (``Record`` or its fields): its copies priced at the link it ran
+        over, its host experts at the lane it ran on (this model's own prices where it has no such term)."""
+        r = Record(*record)
+        copy = self.copy_overhead + self.link_share * r.link_seconds if self.prices_copies else self.copy
+        host = self.host_overhead + self.host_share * r.host_seconds if self.prices_host else r.host_seconds
+        return self.predict(r.n_nodes, r.demand) + copy * r.misses + host * r.host
 
     @classmethod
     def fit(cls, records: Iterable, max_nodes: int | None = None, draft_level_seconds=(), kind: str = "paper",
@@ -267,7 +331,12 @@ class CostModel:
             return model
         copied = rows[rows[:, 3] > 0]
         link = float(copied[0, 4]) if len(copied) else 0.0
-        return replace(model, copy_overhead=coef.copy_overhead, link_share=coef.link_share).priced(link)
+        model = replace(model, copy_overhead=coef.copy_overhead, link_share=coef.link_share,
+                        host_overhead=coef.host_overhead, host_share=coef.host_share)
+        hosted = rows[rows[:, 5] > 0]
+        if len(hosted):  # priced at the first lane the records ran on, choosing per expert as "auto" does
+            return model.priced(link, float(hosted[0, 6]), "auto")
+        return model.priced(link)
 
     @classmethod
     def default(cls, max_nodes: int = 7) -> "CostModel":
@@ -288,7 +357,9 @@ class CostModel:
                 "beta": self.beta, "draft_level_seconds": list(self.draft_level_seconds)}
         if self.prices_copies:
             data.update(copy_overhead_s=self.copy_overhead, link_share=self.link_share)
-        meta = {k: v for k, v in self.meta.items() if k != "priced_link_seconds"}
+        if self.prices_host:
+            data.update(host_overhead_s=self.host_overhead, host_share=self.host_share)
+        meta = {k: v for k, v in self.meta.items() if k not in ("priced_link_seconds", "priced_host_seconds")}
         return {**data, **meta}
 
     def save(self, path) -> Path:

@@ -99,6 +99,11 @@ def assess(records, max_nodes: int, draft_level_seconds=(), *, kind: str = "pape
     if kind == "cache-aware":
         quality.update(_interval("copy", _copy(coef, link), [_copy(f, link) for f in fits]))
         quality["copy_link_seconds"] = link
+    if coef.host_overhead is not None:  # reported beside the copy's, not gated: the copy carries the selector's gate
+        lane = float(rows[rows[:, 5] > 0][:, 6].max())
+        quality.update(_interval("host", _host(coef, lane), [_host(f, lane) for f in fits if f.host_overhead
+                                                               is not None]))
+        quality["host_lane_seconds"] = lane
     if pools:
         full = _model(coef, draft_level_seconds, link)
         rate, loss = choice_stability(pools, full, [_model(f, draft_level_seconds, link) for f in fits[:CHOICE_FITS]],
@@ -166,6 +171,10 @@ def _probe_link(rows) -> float:
 
 def _copy(coef, link: float) -> float:
     return coef.copy_overhead + coef.link_share * link
+
+
+def _host(coef, lane: float) -> float:
+    return coef.host_overhead + coef.host_share * lane
 
 
 def _model(coef, draft_level_seconds, link: float) -> CostModel:

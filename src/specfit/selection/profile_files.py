@@ -27,8 +27,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 #    only (one profile per slot count and link); versions 1 and 2 still load, as demand-only models
 VERSION = 3
 VERDICTS = ("good", "poor", "unassessed")  # meta["quality"]["verdict"]; "unassessed": a version-1 profile
+# (version 3 since issue 36, optional: host_overhead_s and host_share, a host expert's coefficient, for a profile
+# fitted on a host lane too)
 RESERVED = ("format", "version", "units", "intercepts", "beta", "draft_level_seconds", "copy_overhead_s",
-            "link_share")
+            "link_share", "host_overhead_s", "host_share")
 
 
 class ProfileError(ValueError):
@@ -75,7 +77,8 @@ def read_profile(path) -> dict:
         meta["quality"] = _unassessed(data["intercepts"])
     return {"intercepts": tuple(data["intercepts"]), "beta": data["beta"], "meta": meta,
             "draft_level_seconds": tuple(data.get("draft_level_seconds", ())),
-            "copy_overhead": data.get("copy_overhead_s"), "link_share": data.get("link_share")}
+            "copy_overhead": data.get("copy_overhead_s"), "link_share": data.get("link_share"),
+            "host_overhead": data.get("host_overhead_s"), "host_share": data.get("host_share")}
 
 
 def check_meta(path, meta: dict, expect: dict | None = None) -> None:

@@ -1,6 +1,7 @@
 """Which cost profile a model uses, and at what price per copy: the one given to ``enable``, this machine's calibrated
 profile in the user cache, or a reference profile shipped in ``calibration/``; the names (device, model) a profile
-is filed under; and the link's own time per expert copy that prices its copies (``link_seconds``).
+is filed under; and the link's own time per expert copy that prices its copies (``link_seconds``), with the host
+lane's own time per expert that prices host experts (``price``).
 
 One profile per machine and model: it carries over to any slot count, cache mode and link, because those change
 only how often an expert misses (the selector reads that from the live slot cache) and what the link takes per copy
@@ -76,13 +77,7 @@ def link_seconds(runtime) -> float:
     """The link's own time for one expert copy (the stored bytes of one expert): an emulated link's set time for
     those bytes; on CUDA, the bytes over the pinned host-to-device bandwidth (measured once, in ``runtime``); 0 for
     a memcpy on a CPU with no emulated link (its cost is the profile's ``copy_overhead``)."""
-    if runtime.config.link is not None:
-        return float(runtime.config.link.copy_time(runtime.store.expert_bytes))
-    if runtime.device.type == "cuda":
-        from ..offload.bandwidth import copy_seconds
-
-        return copy_seconds(runtime)
-    return 0.0
+    return runtime.copy_seconds()
 
 
 PYTHON_CALL = "`specfit.calibrate(model, prompts)`"
@@ -148,7 +143,15 @@ def price(model, cost: CostModel, kind: str) -> CostModel:
                       RuntimeWarning, stacklevel=4)
         _warn_if_other_setup(model, cost)
         return cost
-    return cost.priced(link_seconds(model.specfit))
+    runtime = model.specfit
+    if runtime.cold == "copy":
+        return cost.priced(link_seconds(runtime))
+    if not cost.prices_host:
+        warnings.warn(f"{_describe(cost)} was fitted without a host lane (calibrated before host experts), so "
+                      f"SpecFit prices each host expert (cold={runtime.cold!r}) at the lane's own time, with no "
+                      f"fitted overhead or overlap. Run {calibrate_command(model)} to fit the host lane too.",
+                      RuntimeWarning, stacklevel=4)
+    return cost.priced(link_seconds(runtime), runtime.host_seconds(), runtime.cold)
 
 
 def _warn_if_other_setup(model, cost: CostModel) -> None:

@@ -11,10 +11,12 @@ Vocabulary (the paper's):
 - *expert demand* of a subtree ``S``: ``sum over layers of |experts of the root and of S in that layer|``. A node pays
   only for experts that no other verified token already asks for.
 - *misses* of ``S``: the experts of its demand that are not resident in the slot cache (``resident``, the live mask):
-  what its verify forward copies.
-- *ratio*: ``(1 + sum_{v in S} path_values[v]) / (intercepts[|S|] + beta * demand(S) + copy * misses(S))``, expected
-  committed tokens (the root's bonus token included) over the predicted cycle time. The selector returns the
-  subtree with the largest ratio. (The paper's model is ``copy = 0``.)
+  what its verify forward copies or computes on the host lane (its cold experts).
+- *ratio*: ``(1 + sum_{v in S} path_values[v]) / (intercepts[|S|] + beta * demand(S) + miss * misses(S))``, expected
+  committed tokens (the root's bonus token included) over the predicted cycle time; ``miss`` prices one cold expert
+  of the union once per cycle: its copy, its host time, or the cheaper of the two (``CostModel.miss``, as the
+  engine's ``cold=`` computes it). The selector returns the subtree with the largest ratio. (The paper's model is
+  ``miss = 0``.)
 
 No torch here: the rule takes plain sequences and NumPy arrays, so it is testable in milliseconds.
 """
@@ -66,11 +68,12 @@ def select_subtree(parents, path_values, routes, root_routes, cost, max_nodes: i
         path_values: ``[N]`` finite, non-negative floats (path values, or path probabilities for the paper's reward).
         routes: ``[N, num_layers, num_experts]`` bool (any 0/1 array-like; non-zero counts as routed).
         root_routes: ``[num_layers, num_experts]`` bool, the root token's experts (always paid).
-        cost: a ``CostModel`` (anything with ``intercepts``, ``beta`` and optionally ``copy``); ``intercepts[n]``
-            is the fixed time of a cycle that verifies ``n`` draft nodes, so it needs ``max_nodes + 1`` entries.
+        cost: a ``CostModel`` (anything with ``intercepts``, ``beta`` and optionally ``miss`` or ``copy``, the price
+            of one cold expert); ``intercepts[n]`` is the fixed time of a cycle that verifies ``n`` draft nodes, so
+            it needs ``max_nodes + 1`` entries.
         max_nodes: the verification budget (draft nodes, the root not counted).
         resident: ``[num_layers, num_experts]`` bool, the experts in a device slot now (None: none is); each expert
-            of the demand outside it also costs ``cost.copy``.
+            of the demand outside it also costs ``cost.miss``.
 
     Returns:
         A ``Selection``. Ties: the larger ratio wins, where ratios within a relative ``REL_TIE`` (1e-12) of the best
@@ -221,9 +224,9 @@ def _check_cost(cost, max_nodes) -> tuple[list[float], float]:
             f"cost model has {len(intercepts)} intercepts (n = 0..{len(intercepts) - 1}) but max_nodes={max_nodes} "
             f"needs {max_nodes + 1} (n = 0..{max_nodes})"
         )
-    copy = float(getattr(cost, "copy", 0.0))
+    copy = float(getattr(cost, "miss", getattr(cost, "copy", 0.0)))  # one price per cold expert
     if not (math.isfinite(copy) and copy >= 0.0):
-        raise ValueError(f"cost model's copy coefficient must be finite and >= 0, got {copy!r}")
+        raise ValueError(f"cost model's price per cold expert must be finite and >= 0, got {copy!r}")
     return intercepts[: max_nodes + 1], float(cost.beta), copy
 
 

@@ -16,8 +16,13 @@ class Counters:
     Offloaded experts, counted on every target forward:
 
     - ``forwards``: target forwards. ``demand``: summed over forwards and MoE layers, the distinct experts a forward
-      needs. ``hits``: of those, already in a slot. ``misses``: not in a slot, so copied host-to-device (``streamed``:
-      the misses copied through scratch because every slot was taken by the same forward).
+      needs. ``hits``: of those, already in a slot. ``misses``: not in a slot and copied host-to-device
+      (``streamed``: the misses copied through scratch because every slot was taken by the same forward).
+      ``host_experts``: not in a slot and computed on the host lane instead (``cold="host"`` or ``"auto"``); so
+      ``demand = hits + misses + host_experts``.
+    - ``host_busy_seconds``: the host lane's time on its experts (an emulated lane: its set time per expert; CUDA:
+      the worker's compute time); ``host_wait_seconds``: the Python thread's time blocked joining the lane (the
+      part of the lane's time nothing else hid; on a CPU with an emulated lane all of that stall).
     - ``bytes_copied``, ``copy_busy_seconds``: bytes of every expert copy counted here and the copy path's time for
       them (CUDA: copy-stream event time; CPU: memcpy time, or the emulated link's time), so their ratio is the
       bandwidth. ``copy_wait_seconds``: host wall time blocked by copies. What that is differs by device: on a CPU
@@ -52,9 +57,10 @@ class Counters:
 
     Derived (properties): ``tokens_per_second`` (decode, wall clock), ``end_to_end_tokens_per_second`` (prefill
     included), ``nodes_per_cycle``, ``tokens_per_cycle``, ``seconds_per_cycle``, ``copies`` (misses + prefetches),
-    ``copies_per_token``, ``hit_rate``, ``copy_bandwidth``, ``tokens_per_second_excluding_measurement``,
-    ``expected_over_committed``, ``forecast_over_real`` (None unless every cycle was forecast), and what the copies
-    cost as the offload literature reports it: ``mib_copied_per_token``, ``copy_wait_share`` (the share of decode
+    ``copies_per_token``, ``hits_per_token``, ``host_experts_per_token`` and ``host_wait_share`` (the host lane),
+    ``hit_rate``, ``copy_bandwidth``, ``tokens_per_second_excluding_measurement``, ``expected_over_committed``,
+    ``forecast_over_real`` (None unless every cycle was forecast), and what the copies cost as the offload
+    literature reports it: ``mib_copied_per_token``, ``copy_wait_share`` (the share of decode
     time blocked by copies: see ``copy_wait_seconds`` for what a host clock sees on each device) and ``hit_rate``.
     ``as_dict()`` gives every field and derived figure; ``repr`` the main figures, rounded.
     """
@@ -65,6 +71,9 @@ class Counters:
     hits: int = 0
     misses: int = 0  # = host-to-device copies (loads + streamed)
     streamed: int = 0  # misses copied through scratch because every slot was in use by the same forward
+    host_experts: int = 0  # not in a slot and computed on the host lane (no slot taken, nothing copied)
+    host_busy_seconds: float = 0.0  # the host lane's time on them
+    host_wait_seconds: float = 0.0  # the Python thread's time blocked joining the host lane
     bytes_copied: int = 0  # of every host-to-device expert copy counted here (misses and prefetches)
     # the time the copy path spent on those copies, the same definition on both devices: CUDA, copy-stream event
     # time of each batch of copies (first copy starting to last landing); CPU, the memcpy time, or with an emulated
@@ -121,6 +130,22 @@ class Counters:
     @property
     def copies_per_token(self) -> float:
         return self.copies / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def hits_per_token(self) -> float:
+        """Experts found in a slot per new token."""
+        return self.hits / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def host_experts_per_token(self) -> float:
+        """Experts computed on the host lane per new token."""
+        return self.host_experts / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def host_wait_share(self) -> float:
+        """``host_wait_seconds / decode_seconds``: the share of decoding the Python thread waited for the host
+        lane (read it from ``last_generate``, as ``copy_wait_share``)."""
+        return self.host_wait_seconds / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
     def nodes_per_cycle(self) -> float:
@@ -183,7 +208,8 @@ class Counters:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        for name in ("copies", "hit_rate", "copy_bandwidth", "copies_per_token", "nodes_per_cycle", "tokens_per_cycle",
+        for name in ("copies", "hit_rate", "copy_bandwidth", "copies_per_token", "hits_per_token",
+                     "host_experts_per_token", "host_wait_share", "nodes_per_cycle", "tokens_per_cycle",
                      "seconds_per_cycle", "tokens_per_second", "end_to_end_tokens_per_second",
                      "tokens_per_second_excluding_measurement", "expected_over_committed", "forecast_over_real",
                      "mib_copied_per_token", "copy_wait_share"):

@@ -36,6 +36,12 @@ FIGURES = (
     ("copies/token", "copies_per_token", "{:.2f}",
      "host-to-device expert copies per new token (slot-cache misses + prefetches)", "tokens"),
     ("copies", "copies", "{:d}", "host-to-device expert copies (slot-cache misses + prefetches)", "forwards"),
+    ("hits/token", "hits_per_token", "{:.2f}", "experts already in a slot per new token", "hosted"),
+    ("host experts/token", "host_experts_per_token", "{:.2f}",
+     "experts computed on the host lane per new token (not in a slot, not copied)", "hosted"),
+    ("host wait", "host_wait_share", "{:.1%}",
+     "share of decode s the host waited for the host lane (an emulated lane: the part of its time nothing hid)",
+     "host wait"),
     ("hit rate", "hit_rate", "{:.1%}", "share of the experts forwards needed that were already in a slot", "demand"),
     ("MiB/token", "mib_copied_per_token", "{:.2f}", "MiB copied host-to-device per new token (misses + prefetches)",
      "copied"),
@@ -60,7 +66,8 @@ FIGURES = (
 _SHORT = {"new tokens": "new_tokens", "tok/s": "tok/s", "tok/s end to end": "end_to_end_tok/s", "cycles": "cycles",
           "nodes/cycle": "nodes/cycle", "tokens/cycle": "tokens/cycle", "expected tokens/cycle": "expected_tokens/cycle",
           "forecast/real": "forecast/real", "copies/token": "copies/token", "MiB/token": "MiB/token",
-          "hit rate": "hit_rate", "copy wait": "copy_wait", "tok/s excl. oracle": "tok/s_excl_oracle",
+          "hit rate": "hit_rate", "copy wait": "copy_wait", "host experts/token": "host/token",
+          "host wait": "host_wait", "tok/s excl. oracle": "tok/s_excl_oracle",
           "pageable copies": "pageable_copies", "copies": "copies", "forwards": "forwards"}
 
 
@@ -75,7 +82,9 @@ def figures_of(c, force: bool = False) -> list[tuple[str, str, str, str]]:
              "pageable": c.pageable_copies > 0, "expected": bool(getattr(c, "expected_tokens", 0)) and c.cycles > 0,
              "waited": c.lock_wait_seconds > 0, "predicted": getattr(c, "forecast_cycles", 0) > 0,
              "forecast": c.forecast_over_real is not None, "copied": c.bytes_copied > 0 and c.new_tokens > 0,
-             "copy wait": c.copy_wait_seconds > 0 and c.decode_seconds > 0}
+             "copy wait": c.copy_wait_seconds > 0 and c.decode_seconds > 0,
+             "hosted": getattr(c, "host_experts", 0) > 0 and c.new_tokens > 0,
+             "host wait": getattr(c, "host_wait_seconds", 0) > 0 and c.decode_seconds > 0}
     out = []
     for label, attribute, fmt, meaning, when in FIGURES:
         if not (force or shown[when]):

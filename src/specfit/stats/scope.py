@@ -115,16 +115,18 @@ class GenerateScope:
             self.stats.settle()
 
     def cycle(self, pool: int, verified: int, committed: int, seconds: float, measurement: float, demand: int,
-              misses: int, draft_seconds: float, expected: float = 0.0, predicted: float | None = None) -> None:
+              misses: int, draft_seconds: float, expected: float = 0.0, predicted: float | None = None,
+              host: int = 0) -> None:
         """One decoding cycle; ``seconds`` is its wall clock, ``measurement`` the part of it spent measuring,
         ``expected`` the tokens the assistant expected it to commit, ``predicted`` the seconds its cost model
-        predicted for it, drafting included (None: the cycle was not forecast, and adds nothing)."""
+        predicted for it, drafting included (None: the cycle was not forecast, and adds nothing); ``misses`` the
+        experts its verify forward copied, ``host`` those it computed on the host lane."""
         if predicted is not None and not _seconds(predicted):
             raise ValueError(f"predicted= is the cost model's forecast of the cycle in seconds, a finite number >= 0 "
                              f"(None: not forecast), got {predicted!r}")
         if self.stats.trace is not None:
             self.stats.trace.append(CycleRecord(verified, demand, seconds, pool, committed, misses, draft_seconds,
-                                                measurement, None if predicted is None else float(predicted)))
+                                                measurement, None if predicted is None else float(predicted), host))
         t = self.stats.total
         if predicted is not None:
             t.predicted_seconds += float(predicted)

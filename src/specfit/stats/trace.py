@@ -14,7 +14,8 @@ class CycleRecord:
     - ``n_nodes``: draft nodes verified (the root not counted). ``pool``: draft nodes drafted (0: drafting skipped).
     - ``committed``: tokens the cycle committed (accepted draft tokens + the bonus token).
     - ``demand``: distinct experts its verify forward needed, summed over layers; ``misses``: of those, copied to a
-      slot (the cycle's expert copies; prefetches are not in it).
+      slot (the cycle's expert copies; prefetches are not in it); ``host_experts``: of those, computed on the host
+      lane.
     - ``seconds``: the cycle's wall clock; ``draft_seconds`` the part spent drafting and selecting (phases 1-2);
       ``measurement_seconds`` the part spent on measurement only (the route or acceptance oracle).
     - ``predicted_seconds``: what the cost model predicted the cycle would take, drafting included, beside
@@ -30,6 +31,7 @@ class CycleRecord:
     draft_seconds: float  # the part of `seconds` spent drafting and selecting (phases 1-2)
     measurement_seconds: float = 0.0  # the part of `seconds` spent measuring only (the route/acceptance oracle)
     predicted_seconds: float | None = None  # the cost model's forecast of `seconds` (None: not forecast)
+    host_experts: int = 0  # of `demand`, computed on the host lane (neither resident nor copied)
 
 
 class Trace(list):
@@ -67,7 +69,8 @@ def trace_to_pandas(trace):
 
 
 def plot_trace(trace, title: str | None = None):
-    """Tokens committed and nodes verified per cycle (top), expert copies per cycle (bottom); returns the axes."""
+    """Tokens committed and nodes verified per cycle (top), expert copies (and host experts) per cycle (bottom);
+    returns the axes."""
     plt = _pyplot("plot()")
     rows = trace_rows(trace)
     x = [r["cycle"] for r in rows]
@@ -76,8 +79,13 @@ def plot_trace(trace, title: str | None = None):
     top.step(x, [r["n_nodes"] for r in rows], where="mid", label="draft nodes verified")
     top.set_ylabel("per cycle")
     top.legend(fontsize=8)
-    bottom.bar(x, [r["misses"] for r in rows], color="tab:red", label="expert copies (slot-cache misses)")
-    bottom.set_ylabel("copies")
+    copies = [r["misses"] for r in rows]
+    bottom.bar(x, copies, color="tab:red", label="expert copies (slot-cache misses)")
+    hosted = any(r["host_experts"] for r in rows)
+    if hosted:
+        bottom.bar(x, [r["host_experts"] for r in rows], bottom=copies, color="tab:purple",
+                   label="host experts (misses computed on the host)")
+    bottom.set_ylabel("copies + host experts" if hosted else "copies")
     bottom.set_xlabel("decoding cycle")
     bottom.legend(fontsize=8)
     top.set_title(title or f"{len(rows)} decoding cycles", fontsize=9)
