@@ -145,6 +145,7 @@ class SpecFitGenerator(Eagle3Generator):
         top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or 1
         self._root = (len(runtime.layers) * int(top_k),) * 2
         self._skipped = False
+        self._forecast_on = self._root  # (demand, misses) the cycle's forecast priced: the refresh learns on them
 
     def start(self, features, next_tokens):
         """The prompt waits with the committed pairs while drafting is skipped (the backoff carries over from the
@@ -185,6 +186,7 @@ class SpecFitGenerator(Eagle3Generator):
         self._skipped = self.backoff.skip()
         if self._skipped:
             self.predicted_seconds = self._predict_root_only()
+            self._forecast_on = self._root
             return DraftTree()
         self._catch_up()
         cycle.drafter = self.drafter
@@ -208,6 +210,7 @@ class SpecFitGenerator(Eagle3Generator):
         self._root = (root_demand, root_demand if resident is None else int((root_routes & ~resident).sum()))
         self.backoff.record(paid=self._paid())
         self.nodes = self.winner.nodes
+        self._forecast_on = (self.winner.demand, self.winner.misses)
         self.expected_tokens = self.winner.expected_tokens
         self.predicted_seconds = self.winner.predicted_time  # at the levels drafted (level_costs)
         return tree
@@ -255,8 +258,9 @@ class SpecFitGenerator(Eagle3Generator):
 
     def timed(self, seconds, forward, committed) -> dict:
         """The guard learns what this cycle's way committed and took. A cycle run SpecFit's way refreshes the cost
-        model online (its node count, levels drafted, the verify forward's demand and misses, its wall clock; a
-        refit re-prices the selector from the next cycle on); one run EAGLE-3's way corrects that way's forecast."""
+        model online: its node count, levels drafted and wall clock, and the demand and misses its forecast priced
+        (from the routes the selector saw, so the refit also absorbs how the route source errs); a refit re-prices
+        the selector from the next cycle on. A cycle run EAGLE-3's way corrects that way's forecast."""
         if self.guard is not None:
             self.guard.record(self.arm, committed, seconds)
         if self.arm == "eagle3":
@@ -266,7 +270,8 @@ class SpecFitGenerator(Eagle3Generator):
             return {"guard_eagle_cycles": 1}
         if self.refresh is None or self.predicted_seconds is None:
             return {}
-        if self.refresh.record(len(self.nodes), forward.demand, forward.misses, self.levels, seconds):
+        demand, misses = self._forecast_on  # what the forecast saw: the refit learns the clock of the selector's view
+        if self.refresh.record(len(self.nodes), demand, misses, self.levels, seconds):
             self._use(self.refresh.model)
         return {"cost_refresh_cycles": 1}
 

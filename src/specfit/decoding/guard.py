@@ -36,7 +36,7 @@ __all__ = ["Guard", "ARMS", "DECAY", "SPREAD", "WARMUP"]
 ARMS = ("specfit", "eagle3")
 DECAY = 0.99  # weight of a cycle per later cycle: about the last 100 cycles count
 SPREAD = 0.5  # relative spread of one cycle's tokens per second (the optimistic bound's width at one cycle)
-WARMUP = 48  # cycles of the first arm (SpecFit's way) before another is tried
+WARMUP = 32  # cycles of the first arm (SpecFit's way) before another is tried
 
 
 class Guard:

@@ -142,6 +142,8 @@ class Counterfactual(SpecFitGenerator):
         if self.row.get("kind") != "specfit":
             return {}
         self.nodes = self.verified
+        self._forecast_on = (self.row["fc_demand"], self.row["fc_misses"]) if self.row["fc_demand"] is not None \
+            else self._root
         return super().timed(seconds, forward, committed)
 
     # phase 4 ---------------------------------------------------------------------------------------------------
