@@ -47,9 +47,11 @@ def run_cell(cell: dict, n: int, tokens: int, offset: int, seed: int) -> dict:
 
     link = embedded.default_link(cell["ratio"] / embedded.DEMAND_TO_COMPUTE) if cell["ratio"] > 0 else None
     model, tokenizer = embedded.load(cell["slots"], link=link)
+    eagle, _ = embedded.load(cell["slots"], link=link)  # EAGLE-3 itself, on the same prompts: its own drafting
     prompts = held_out(cell["workload"], n + 1, offset)
     kwargs = dict(SAMPLING) if cell["sample"] else dict(do_sample=False)
     rows: list[dict] = []
+    own: list = []
     t0 = time.perf_counter()
     for i, text in enumerate(prompts):
         ids = tokenizer(text, return_tensors="pt").input_ids
@@ -58,12 +60,24 @@ def run_cell(cell: dict, n: int, tokens: int, offset: int, seed: int) -> dict:
         if cell["sample"]:
             torch.manual_seed(seed + i)
         model.generate(ids, max_new_tokens=tokens if i else 8, assistant=Counterfactual.factory(log), **kwargs)
+        eagle_trace = eagle.specfit.stats.start_trace()
+        if cell["sample"]:
+            torch.manual_seed(seed + i)
+        eagle.generate(ids, max_new_tokens=tokens if i else 8, assistant="eagle3", **kwargs)
         if i:  # the first prompt is the untimed warm-up
             rows += join(log, trace)
+            own += list(eagle_trace)
     summary = summarize(rows)
+    summary["eagle3_itself"] = dict(cycles=len(own), draft_ms=1e3 * sum(r.draft_seconds for r in own) / len(own),
+                                    ms_per_cycle=1e3 * sum(r.seconds for r in own) / len(own),
+                                    tokens_per_cycle=sum(r.committed for r in own) / len(own),
+                                    tok_s=sum(r.committed for r in own) / sum(r.seconds for r in own))
+    e = summary["eagle3_itself"]
     print(report(f"{cell['name']} ({n} prompts x {tokens} tokens, {time.perf_counter() - t0:.0f} s; link "
                  f"{'none' if link is None else f'{embedded.link_seconds_per_expert(link) * 1e3:.3f} ms/copy'})",
-                 summary), flush=True)
+                 summary) + f"\n  EAGLE-3 itself (its own drafting, same prompts, its own model): drafting "
+                            f"{e['draft_ms']:.1f} ms/cycle, {e['ms_per_cycle']:.1f} ms/cycle, tokens/cycle "
+                            f"{e['tokens_per_cycle']:.2f}, tok/s {e['tok_s']:.2f}", flush=True)
     for r in rows:
         r.pop("parents", None), r.pop("tokens_pool", None)
     return dict(cell=cell, summary=_plain(summary), rows=_plain(rows))

@@ -28,7 +28,6 @@ import torch
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
 BASELINES = ("ar", "eagle3", "prompt-lookup")
-RULE = (("cost_refresh", False), ("guard", False))  # SpecFit's rule alone, on the profile as calibrated
 
 
 def cells(args) -> list[dict]:
@@ -43,15 +42,10 @@ def cells(args) -> list[dict]:
 def run_cell(cell: dict, methods: list[str], prompts: list[str], tokens: int, warmup_tokens: int) -> dict:
     from specfit import embedded
     from specfit.evaluation.harness import ASSISTANT, GENERATE, load_instances
-    from specfit.patch import configure
 
     link = embedded.default_link(cell["ratio"] / embedded.DEMAND_TO_COMPUTE) if cell["ratio"] > 0 else None
-    base = [m for m in methods if m != "specfit-rule"]
-    models, tokenizer = load_instances(base, cell["slots"], link)
-    if "specfit-rule" in methods:
-        models["specfit-rule"], _ = embedded.load(cell["slots"], link=link)
-        configure(models["specfit-rule"], **dict(RULE))
-    assistants = {m: "specfit" if m == "specfit-rule" else ASSISTANT[m] for m in models}
+    models, tokenizer = load_instances(methods, cell["slots"], link)
+    assistants = {m: ASSISTANT[m] for m in models}
     ids = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
     kwargs = dict(SAMPLING) if cell["sampling"] else dict(do_sample=False)
     counters = {m: None for m in models}
@@ -116,7 +110,8 @@ def main() -> None:
         r = run_cell(cell, args.methods, prompts[cell["workload"]], args.tokens, args.warmup_tokens)
         results.append(r)
         fc = r["forecast_over_real"]
-        print(f"{r['workload']:5s} {r['slots']:2d} slots link {r['ratio']:g}x {'sample' if r['sampling'] else 'greedy'}:"
+        mode = "sample" if r["sampling"] else "greedy"
+        print(f"{r['workload']:5s} {r['slots']:2d} slots link {r['ratio']:g}x {mode}:"
               f" SpecFit / EAGLE-3 {r['specfit_over_eagle3']:.2f}, / best ({r['best_baseline']}) "
               f"{r['specfit_over_best']:.2f}; EAGLE-3-way cycles {r['eagle_way_share']:.0%}; forecast/real "
               f"{'-' if fc is None else f'{fc:.2f}'}; tok/s " + ", ".join(f"{m} {v:.2f}" for m, v in r["tok_s"].items())

@@ -40,7 +40,8 @@ def forecast_over_real(model, truth, rng, count=40):
 
 def feed(refresh, truth, rng, count, noise=0.05):
     for n, demand, misses, levels in cycles(rng, count):
-        refresh.record(n, demand, misses, levels, truth(n, demand, misses, levels) * (1 + noise * rng.standard_normal()))
+        seconds = truth(n, demand, misses, levels) * (1 + noise * rng.standard_normal())
+        refresh.record(n, demand, misses, levels, seconds)
 
 
 def test_a_machine_slower_than_the_profile_is_forecast_within_ten_percent_after_30_cycles():

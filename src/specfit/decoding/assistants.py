@@ -27,7 +27,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..drafting.levels import TreeDrafter
 from ..drafting.tree import DraftTree, VerifyLayout
 from ..selection.acceptance_model import AcceptanceModel, AcceptanceTables
-from ..selection.cost_refresh import CostRefresh
+from ..selection.cost_refresh import DECAY, CostRefresh
 from ..selection.profiles import link_seconds, profile_source, resolve_cost_model
 from ..selection.route_sources import Cycle, resolve_route_source
 from ..selection.selector import select_subtree, takes_from_level
@@ -265,8 +265,8 @@ class SpecFitGenerator(Eagle3Generator):
             self.guard.record(self.arm, committed, seconds)
         if self.arm == "eagle3":
             real, forecast, _ = self._eagle
-            d = self.guard.decay if self.guard is not None else 1.0
-            self._eagle = [d * real + seconds, d * forecast + self._eagle_raw, (forward.demand, forward.misses)]
+            self._eagle = [DECAY * real + seconds, DECAY * forecast + self._eagle_raw,
+                           (forward.demand, forward.misses)]
             return {"guard_eagle_cycles": 1}
         if self.refresh is None or self.predicted_seconds is None:
             return {}

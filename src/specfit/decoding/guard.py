@@ -9,7 +9,8 @@ each earlier cycle weighing ``decay`` times less per later cycle, and picks the 
 the other arm is tried again when its optimistic rate (its rate x ``1 + spread / sqrt(weight)``, an upper bound that
 widens as its evidence ages) passes the better arm's rate, so a change of workload or load is noticed. SpecFit's
 way runs ``warmup`` cycles before EAGLE-3's is first tried (its acceptance model and online cost refresh settle
-meanwhile); an arm never tried comes next.
+meanwhile); then an arm with fewer than ``trials`` cycles comes next (one unlucky cycle, e.g. under a burst of load,
+does not shut a way out).
 
 Pure Python, no torch: two dicts of running sums, a few float operations per cycle.
 
@@ -31,23 +32,26 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["Guard", "ARMS", "DECAY", "SPREAD", "WARMUP"]
+__all__ = ["Guard", "ARMS", "DECAY", "SPREAD", "WARMUP", "TRIALS"]
 
 ARMS = ("specfit", "eagle3")
 DECAY = 0.99  # weight of a cycle per later cycle: about the last 100 cycles count
 SPREAD = 0.5  # relative spread of one cycle's tokens per second (the optimistic bound's width at one cycle)
 WARMUP = 32  # cycles of the first arm (SpecFit's way) before another is tried
+TRIALS = 3  # cycles every arm runs before its rate is compared
 
 
 class Guard:
     """Which arm runs the next cycle (module docstring)."""
 
-    def __init__(self, decay: float = DECAY, spread: float = SPREAD, warmup: int = WARMUP, arms=ARMS):
+    def __init__(self, decay: float = DECAY, spread: float = SPREAD, warmup: int = WARMUP, trials: int = TRIALS,
+                 arms=ARMS):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
         if not spread >= 0.0:
             raise ValueError(f"spread must be >= 0, got {spread!r}")
         self.decay, self.spread, self.warmup, self.arms = float(decay), float(spread), int(warmup), tuple(arms)
+        self.trials = max(int(trials), 1)
         self.tokens = {arm: 0.0 for arm in self.arms}
         self.seconds = {arm: 0.0 for arm in self.arms}
         self.weight = {arm: 0.0 for arm in self.arms}  # discounted cycles of each arm
@@ -61,7 +65,8 @@ class Guard:
         """The arm for the next cycle."""
         if self.cycles[self.arms[0]] < self.warmup:
             return self.arms[0]
-        fresh = [arm for arm in self.arms if self.weight[arm] <= 0.0]
+        fresh = [arm for arm in self.arms[1:] if self.cycles[arm] < self.trials] \
+            or [arm for arm in self.arms if self.weight[arm] <= 0.0]
         if fresh:
             return fresh[0]
         rates = {arm: self.rate(arm) for arm in self.arms}
