@@ -116,12 +116,12 @@ class SpecFitGenerator(Eagle3Generator):
             raise ValueError(f"the cost model predicts up to {cost.max_nodes} nodes but max_nodes is "
                              f"{self.max_nodes}; recalibrate or lower max_nodes")
         # refreshed online from the cycles it forecasts, kept on the runtime across calls (selection/cost_refresh.py)
-        self.refresh = cost_refresh(runtime, cost, link_seconds(runtime), opts)
+        self.refresh = online_refresh(runtime, cost, link_seconds(runtime), opts)
         self.source = profile_source(model) or "given"
         self._use(self.refresh.model if self.refresh is not None else cost)
         self.levels = 0  # levels drafted this cycle
         # which way each cycle runs, SpecFit's or EAGLE-3's, by the clock (decoding/guard.py); kept on the runtime
-        self.guard = guard(runtime, opts)
+        self.guard = dominance_guard(runtime, opts)
         self.arm = "specfit"
         self.nodes: tuple[int, ...] = ()  # the subtree this cycle verifies
         self._eagle = [0.0, 0.0, None]  # EAGLE-3's way: decayed real and forecast seconds, last (demand, misses)
@@ -326,7 +326,7 @@ def eagle_tree(path_probs, max_nodes: int) -> tuple[int, ...]:
     return tuple(sorted(sorted(range(len(path_probs)), key=lambda v: (-path_probs[v], v))[:max_nodes]))
 
 
-def guard(runtime, options) -> Guard | None:
+def dominance_guard(runtime, options) -> Guard | None:
     """The runtime's dominance guard for these options, made on first use and kept across generate() calls (made
     anew when the options change); None when ``guard=False``."""
     if not options.guard:
@@ -337,7 +337,7 @@ def guard(runtime, options) -> Guard | None:
     return kept[1]
 
 
-def cost_refresh(runtime, cost, link: float, options) -> CostRefresh | None:
+def online_refresh(runtime, cost, link: float, options) -> CostRefresh | None:
     """The runtime's online refresh of ``cost`` (a priced profile), made on first use and kept across generate()
     calls while the profile, its link and the drafting depth stay the same; None where it does not apply: the
     option is off, ``cost="paper"`` (the paper's frozen model), or a profile without copies or drafting per level."""
