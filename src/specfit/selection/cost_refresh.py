@@ -34,7 +34,7 @@ __all__ = ["CostRefresh", "PRIOR_WIDTH", "DECAY"]
 
 DECAY = 0.9  # weight of a record per later cycle: about the last 10 cycles count (a change of load shows in 20)
 PRIOR_WIDTH = 0.5  # the prior's standard deviation, relative to the prior's value (the scale included)
-NOISE = 0.05  # a cycle time's noise, relative to the profile's root-only cycle: weighs records against the priors
+NOISE = 0.2  # a cycle time's noise, relative to the profile's root-only cycle: weighs records against the priors
 EVERY = 4  # records between refits
 SCALE_RANGE = (0.2, 5.0)  # the host-time scale is clamped to this range
 
