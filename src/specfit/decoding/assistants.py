@@ -28,10 +28,12 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..drafting.levels import TreeDrafter
 from ..drafting.tree import DraftTree, VerifyLayout
 from ..selection.acceptance_model import AcceptanceModel, AcceptanceTables
-from ..selection.profiles import resolve_cost_model
+from ..selection.cost_refresh import DECAY, CostRefresh
+from ..selection.profiles import link_seconds, profile_source, resolve_cost_model
 from ..selection.route_sources import Cycle, resolve_route_source
 from ..selection.selector import select_subtree, takes_from_level
 from .acceptance import Acceptance, child_labels
+from .guard import Guard
 
 
 class TreeCandidateGenerator(CandidateGenerator):
@@ -66,6 +68,12 @@ class TreeCandidateGenerator(CandidateGenerator):
         each ([1, m]; the last is the bonus token, the next root)."""
         raise NotImplementedError
 
+    def timed(self, seconds: float, forward, committed: int) -> dict:
+        """At the end of a cycle: its wall clock, its verify forward's ``Counters`` (demand, misses) and the tokens it
+        committed. Returns ``Counters`` fields to add for it (SpecFit: ``{"cost_refresh_cycles": 1}`` when its cost
+        model learned from the cycle); the default learns nothing."""
+        return {}
+
     def update_candidate_strategy(self, input_ids, scores, num_matches):  # transformers' hook; trees adapt in draft()
         pass
 
@@ -93,9 +101,9 @@ class Eagle3Generator(TreeCandidateGenerator):
         return tree
 
     def select(self, tree, cycle):
-        best = sorted(range(len(tree)), key=lambda v: (-tree.path_probs[v], v))[: self.max_nodes]
+        best = eagle_tree(tree.path_probs, self.max_nodes)
         self.expected_tokens = 1.0 + sum(tree.path_probs[v] for v in best)  # EAGLE's own belief: path probabilities
-        return tuple(sorted(best))
+        return best
 
 
 class SpecFitGenerator(Eagle3Generator):
@@ -103,13 +111,21 @@ class SpecFitGenerator(Eagle3Generator):
         super().__init__(model)
         runtime = self.runtime = model.specfit
         opts = runtime.options
-        self.cost = resolve_cost_model(model)  # priced for this model's link and the option's cost
-        if self.cost.max_nodes < self.max_nodes:
-            raise ValueError(f"the cost model predicts up to {self.cost.max_nodes} nodes but max_nodes is "
+        self.depth = opts.depth
+        cost = resolve_cost_model(model)  # priced for this model's link and the option's cost
+        if cost.max_nodes < self.max_nodes:
+            raise ValueError(f"the cost model predicts up to {cost.max_nodes} nodes but max_nodes is "
                              f"{self.max_nodes}; recalibrate or lower max_nodes")
-        # drafting paid per level actually drafted, when the profile measured it: the model at each depth
-        self.level_costs = [self.cost.at_levels(level) for level in range(1, opts.depth + 1)] \
-            if self.cost.draft_levels else None
+        # refreshed online from the cycles it forecasts, kept on the runtime across calls (selection/cost_refresh.py)
+        self.refresh = online_refresh(runtime, cost, opts)
+        self.source = profile_source(model) or "given"
+        self._use(self.refresh.model if self.refresh is not None else cost)
+        self.levels = 0  # levels drafted this cycle
+        # which way each cycle runs, SpecFit's or EAGLE-3's, by the clock (decoding/guard.py); kept on the runtime
+        self.guard = dominance_guard(runtime, opts)
+        self.arm = "specfit"
+        self.nodes: tuple[int, ...] = ()  # the subtree this cycle verifies
+        self._eagle = [0.0, 0.0, None]  # EAGLE-3's way: decayed real and forecast seconds, last (demand, misses)
         self.routes = resolve_route_source(model, opts.route_source)
         if hasattr(self.routes, "attach"):  # a predictor runs inside the drafter's levels
             self.routes.attach(self.drafter)
@@ -130,6 +146,7 @@ class SpecFitGenerator(Eagle3Generator):
         top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or 1
         self._root = (len(runtime.layers) * int(top_k),) * 2
         self._skipped = False
+        self._forecast_on = self._root  # (demand, misses) the cycle's forecast priced: the refresh learns on them
 
     def start(self, features, next_tokens):
         """The prompt waits with the committed pairs while drafting is skipped (the backoff carries over from the
@@ -155,15 +172,22 @@ class SpecFitGenerator(Eagle3Generator):
     def draft(self, cycle):
         """Draft level by level; stop when the best subtree takes nothing from the newest level. When drafting has
         not paid for itself lately (the winner verified the root alone), skip it for a while: such a cycle is one
-        target forward on the root, as in plain decoding."""
-        self.winner = None
+        target forward on the root, as in plain decoding. When the guard says EAGLE-3's way pays more now, draft
+        and verify as EAGLE-3 does (``_draft_as_eagle``)."""
+        self.winner, self.nodes = None, ()
         self.expected_tokens = 1.0  # a cycle that verifies the root alone commits exactly its bonus token
         if self._skipped:  # the last cycle verified the root alone: its forward's figures are the root's
             last = self.runtime.stats.last_forward
             self._root = (last.demand, last.misses + last.host_experts)  # its cold experts: copied or on the host
+        self.levels = 0
+        self.arm = self.guard.choose() if self.guard is not None else "specfit"
+        if self.arm == "eagle3":
+            self._skipped = False
+            return self._draft_as_eagle(cycle)
         self._skipped = self.backoff.skip()
         if self._skipped:
             self.predicted_seconds = self._predict_root_only()
+            self._forecast_on = self._root
             return DraftTree()
         self._catch_up()
         cycle.drafter = self.drafter
@@ -182,12 +206,75 @@ class SpecFitGenerator(Eagle3Generator):
                 self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
             if not takes_from_level(self.winner, tree.depths, tree.depth):
                 break
+        self.levels = tree.depth
         root_demand = int(root_routes.sum())
         self._root = (root_demand, root_demand if resident is None else int((root_routes & ~resident).sum()))
         self.backoff.record(paid=self._paid())
+        self.nodes = self.winner.nodes
+        self._forecast_on = (self.winner.demand, self.winner.misses)
         self.expected_tokens = self.winner.expected_tokens
         self.predicted_seconds = self.winner.predicted_time  # at the levels drafted (level_costs)
         return tree
+
+    def _draft_as_eagle(self, cycle) -> DraftTree:
+        """EAGLE-3's way: the full pool drafted without routes (the nodes the next level expands only), its
+        ``max_nodes`` nodes of highest path probability verified. Path values still feed the acceptance model; the
+        forecast is the cost model's at the node count and levels, with the demand and misses of the last such
+        cycle, scaled by how such cycles' forecasts met the clock."""
+        self._catch_up()
+        head, self.drafter.route_head = self.drafter.route_head, None
+        try:
+            tree = DraftTree()
+            for tree in self.drafter.levels():
+                pass
+        finally:
+            self.drafter.route_head = head
+        self.nodes = eagle_tree(tree.path_probs, self.max_nodes)
+        self.levels = tree.depth
+        if self.calibrated:
+            self.acceptance = acceptance_model(self.runtime, cycle.sampling)
+            self.values, self.estimates = [], []
+            values = self._path_values(tree)
+        else:
+            values = tree.path_probs
+        self.expected_tokens = 1.0 + sum(values[v] for v in self.nodes)
+        real, forecast, seen = self._eagle
+        demand, misses = seen if seen is not None else (self._root[0] * (1 + len(self.nodes) // 2),
+                                                         self._root[1] * (1 + len(self.nodes) // 2))
+        cost = self.level_costs[self.levels - 1] if self.level_costs and self.levels else self.cost
+        raw = cost.predict(len(self.nodes), demand, misses=misses)
+        self._eagle_raw = raw
+        self.predicted_seconds = raw * (real / forecast if forecast > 0 else 1.0)
+        return tree
+
+    def _use(self, cost) -> None:
+        """Price with ``cost``: drafting paid per level actually drafted, when the model has it (the model at each
+        depth); the stats name the profile and how far it was refreshed."""
+        self.cost = cost
+        self.level_costs = [cost.at_levels(level) for level in range(1, self.depth + 1)] \
+            if cost.draft_levels else None
+        self.runtime.stats.cost_profile = self.source + (
+            f"; refreshed online by {self.refresh.cycles} cycles" if self.refresh is not None
+            else "; frozen (no online refresh)")
+
+    def timed(self, seconds, forward, committed) -> dict:
+        """The guard learns what this cycle's way committed and took. A cycle run SpecFit's way refreshes the cost
+        model online: its node count, levels drafted and wall clock, and the demand and misses its forecast priced
+        (from the routes the selector saw, so the refit also absorbs how the route source errs); a refit re-prices
+        the selector from the next cycle on. A cycle run EAGLE-3's way corrects that way's forecast."""
+        if self.guard is not None:
+            self.guard.record(self.arm, committed, seconds)
+        if self.arm == "eagle3":
+            real, forecast, _ = self._eagle
+            self._eagle = [DECAY * real + seconds, DECAY * forecast + self._eagle_raw,
+                           (forward.demand, forward.misses)]
+            return {"guard_eagle_cycles": 1}
+        if self.refresh is None or self.predicted_seconds is None:
+            return {}
+        demand, misses = self._forecast_on  # what the forecast saw: the refit learns the clock of the selector's view
+        if self.refresh.record(len(self.nodes), demand, misses, self.levels, seconds):
+            self._use(self.refresh.model)
+        return {"cost_refresh_cycles": 1}
 
     def _predict_root_only(self) -> float:
         """The forecast of a cycle that drafts nothing and verifies the root alone (a plain decoding step)."""
@@ -231,7 +318,51 @@ class SpecFitGenerator(Eagle3Generator):
         return self.winner.ratio * self._predict_root_only() > 1.0
 
     def select(self, tree, cycle):
-        return self.winner.nodes if self.winner is not None else ()
+        return self.nodes
+
+
+def eagle_tree(path_probs, max_nodes: int) -> tuple[int, ...]:
+    """EAGLE-3's verified tree: the ``max_nodes`` pool nodes of highest path probability (ancestor-closed: a child's
+    path probability never exceeds its parent's, and ties go to the earlier node, a parent), sorted."""
+    return tuple(sorted(sorted(range(len(path_probs)), key=lambda v: (-path_probs[v], v))[:max_nodes]))
+
+
+def dominance_guard(runtime, options) -> Guard | None:
+    """The runtime's dominance guard for these options, made on first use and kept across generate() calls (made
+    anew when the options change); None when ``guard=False``."""
+    if not options.guard:
+        return None
+    kept = runtime.guard
+    if kept is None or kept[0] is not options:
+        kept = runtime.guard = (options, Guard())
+    return kept[1]
+
+
+def online_refresh(runtime, cost, options) -> CostRefresh | None:
+    """The runtime's online refresh of ``cost`` (a priced profile), made on first use and kept across generate()
+    calls while the profile, its pricing of a cold expert and the drafting depth stay the same; None where it does
+    not apply: the option is off, ``cost="paper"`` (the paper's frozen model), or a profile without copies or
+    drafting per level. A cold expert is refreshed along the path the selector prices it by (``miss_path``)."""
+    if not options.cost_refresh or options.cost != "cache-aware" or not cost.prices_copies \
+            or not cost.draft_levels:
+        return None
+    lane, parts = miss_path(runtime, cost)
+    key = (cost.intercepts, cost.beta, cost.copy_overhead, cost.link_share, cost.draft_level_seconds, cost.cold,
+           cost.host_overhead, cost.host_share, lane, options.depth)
+    refresh = runtime.cost_refresh
+    if refresh is None or refresh.key != key:
+        refresh = runtime.cost_refresh = CostRefresh(cost, lane, options.depth, key=key, miss_parts=parts)
+    return refresh
+
+
+def miss_path(runtime, cost) -> tuple[float, tuple[float, float]]:
+    """(the own seconds per expert, (overhead, share)) of the way ``cost`` prices a cold expert (``cost.miss``): the
+    link's copy, or the host lane's time (an unfitted lane: overhead 0, share 1)."""
+    on_host = cost.cold == "host" or (cost.cold == "auto" and cost.host is not None and cost.host < cost.copy)
+    if not on_host:
+        return link_seconds(runtime), (cost.copy_overhead, cost.link_share)
+    parts = (cost.host_overhead, cost.host_share) if cost.prices_host else (0.0, 1.0)
+    return runtime.host_seconds(), parts
 
 
 def acceptance_model(runtime, sampling: bool) -> AcceptanceModel:

@@ -182,10 +182,12 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
             features = runtime.aux_capture.features()  # [1, n+1, 3H]
             features = features[:, :len(kept)] if prefix else features.index_select(1, kept_d)
             gen.observe(features, staging.to_device([acc.tokens]))
+        seconds = time.perf_counter() - t0
+        counts = gen.timed(seconds, verify, committed)  # the cycle's clock, verify forward and tokens: may learn
         scope.cycle(pool=len(tree), verified=len(nodes), committed=committed, demand=verify.demand,
-                    misses=verify.misses, seconds=time.perf_counter() - t0, measurement=cycle.measurement_seconds,
+                    misses=verify.misses, seconds=seconds, measurement=cycle.measurement_seconds,
                     draft_seconds=t_drafted - t0, expected=gen.expected_tokens, predicted=gen.predicted_seconds,
-                    host=verify.host_experts)
+                    host=verify.host_experts, counts=counts)
 
     kv_cache.crop_kv(cache, run.length - 1, current=kv)  # tokens cut by the stopping criteria leave no KV behind
     scope.end(new_tokens=run.length - input_ids.shape[1])

@@ -24,6 +24,12 @@ class DecodingOptions:
     # what SpecFit's selector counts as expected tokens: "calibrated", path values from the acceptance model
     # (selection/acceptance_model.py); "paper", the paper's 1 + sum of drafted path probabilities
     acceptance: str = "calibrated"
+    # refit the cost model online from the cycles it forecast, starting from the profile (selection/cost_refresh.py);
+    # False: the profile as calibrated, frozen (the paper's practice). Only for cost="cache-aware" with a v3 profile.
+    cost_refresh: bool = True
+    # run each cycle SpecFit's way or EAGLE-3's, whichever the clock says commits more tokens per second
+    # (decoding/guard.py); False: SpecFit's rule alone, every cycle (the paper's)
+    guard: bool = True
 
     def __post_init__(self):
         if self.route_source != AUTO and self.route_source not in ROUTE_SOURCES:
@@ -39,5 +45,6 @@ class DecodingOptions:
             value, low = getattr(self, name), 0 if name == "max_nodes" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not isinstance(self.prefetch, bool):
-            raise ValueError(f"prefetch must be True or False, got {self.prefetch!r}")
+        for name in ("prefetch", "cost_refresh", "guard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -49,6 +49,8 @@ METHODS = {
     "specfit-prefetch": Method("SpecFit, pred.+prefetch", "specfit",
                                options=(("route_source", "predictor"), ("prefetch", True))),
     "specfit-paper-cost": Method("SpecFit, paper cost", "specfit", options=(("cost", "paper"),)),
+    # SpecFit's rule every cycle on the profile as calibrated: no online refresh, no guard (issue 38's defaults off)
+    "specfit-rule": Method("SpecFit, rule alone", "specfit", options=(("cost_refresh", False), ("guard", False))),
     # transformers' own prompt-lookup decoding on the same offloaded model: what a user tries first, no drafter
     "prompt-lookup": Method("Prompt lookup (10)", None, generate=(("prompt_lookup_num_tokens", 10),)),
     # every cold expert copied, beside a host lane (cold="copy": SpecFit before the host lane), or computed on it

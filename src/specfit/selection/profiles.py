@@ -121,6 +121,7 @@ def resolve_cost_model(model) -> CostModel:
     if found is not None:
         runtime.cost_model = found
         return price(model, found, options.cost if options is not None else "cache-aware")
+    runtime.cost_source = (None, "none: the default cost model (no profile for this device and model)")
     key = profile_key(model)  # not stored: a profile calibrated later in this process is found next time
     warnings.warn(
         f"no calibrated cost profile for device {key['device_name']!r}, model {key['model_key']!r} (looked for "
@@ -229,12 +230,16 @@ def find_profile(model):
         cost = checked_cost_model(model, runtime.cost_model)
         warn_if_unreliable(cost, str(runtime.cost_model) if not isinstance(runtime.cost_model, CostModel)
                            else "in use by this model", model)
+        known = getattr(runtime, "cost_source", None)
+        if not (known and known[0] is runtime.cost_model):  # not one found here before: given to enable/configure
+            runtime.cost_source = (runtime.cost_model, f"given to enable/configure ({_describe(cost)})")
         return cost
     key = profile_key(model)
     path = profile_path(**key)
     if path.is_file():
         found = CostModel.load(path)
         warn_if_unreliable(found, str(path), model)
+        runtime.cost_source = (found, f"this machine's, calibrated {found.meta.get('date', '?')} ({path.name})")
         return found
     reference = reference_profile(key)
     if reference is not None and reference.meta.get("device") != key["device_name"]:
@@ -243,7 +248,15 @@ def find_profile(model):
                       RuntimeWarning, stacklevel=4)
     if reference is not None:
         warn_if_unreliable(reference, f"shipped with specfit for {key['model_key']}", model)
+        runtime.cost_source = (reference, f"the reference profile shipped with specfit, measured on "
+                                          f"{reference.meta.get('device')!r}")
     return reference
+
+
+def profile_source(model) -> str | None:
+    """Where the profile SpecFit's cost model starts from came from (set where ``find_profile`` found it)."""
+    known = getattr(model.specfit, "cost_source", None)
+    return known[1] if known else None
 
 
 def warn_if_unreliable(cost: CostModel, where: str, model=None) -> None:

@@ -72,7 +72,9 @@ class RoutePredictor(nn.Module):
 
     def choice_scores(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [N, L, E] -> the scores the routers rank ([N, L, E]; -inf outside the kept expert groups)."""
-        scores = {"logits": logits, "softmax": logits.softmax(-1), "sigmoid": logits.sigmoid()}[self.scoring]
+        # only the rule's own scoring (each is a full pass over [N, L, E]: per-op cost at batch 1)
+        scores = logits if self.scoring == "logits" else logits.softmax(-1) if self.scoring == "softmax" \
+            else logits.sigmoid()
         scores = scores + self.correction
         if self.n_group > 1:
             groups = scores.view(*scores.shape[:-1], self.n_group, -1)  # [N, L, G, E/G]

@@ -47,7 +47,9 @@ class Counters:
     - ``predicted_seconds``: the seconds the cost model predicted for the cycles it ran (the subtree each verified,
       drafting included), summed, beside ``decode_seconds``; ``forecast_cycles``: the cycles that came with such a
       prediction (SpecFit's; AR and EAGLE-3 predict none). ``forecast_over_real`` is 1.0 when the time forecast
-      matches the clock.
+      matches the clock. ``cost_refresh_cycles``: the forecast cycles whose wall clock refreshed the cost model
+      online (``stats.cost_profile`` names the profile it started from). ``guard_eagle_cycles``: the cycles
+      SpecFit's dominance guard ran EAGLE-3's way (its drafting and tree) because the clock said it paid more.
     - ``prefill_seconds``: wall clock from ``generate()``'s entry to the end of the prompt's forward.
       ``decode_seconds``: wall clock of everything after it; the two add up to a stopwatch around the call.
       ``measurement_seconds``: the part of ``decode_seconds`` spent on measurement only (the route or acceptance
@@ -95,6 +97,8 @@ class Counters:
     expected_tokens: float = 0.0  # the assistant's expected committed tokens per cycle, summed (AR: 1 per step)
     predicted_seconds: float = 0.0  # the cost model's predicted seconds of each forecast cycle, summed
     forecast_cycles: int = 0  # cycles that came with a predicted time (SpecFit's; AR and EAGLE-3: none)
+    cost_refresh_cycles: int = 0  # forecast cycles whose wall clock the cost model learned from online
+    guard_eagle_cycles: int = 0  # cycles SpecFit's dominance guard ran EAGLE-3's way
     new_tokens: int = 0  # tokens returned by generate (AR too)
     prefill_seconds: float = 0.0  # wall clock from generate()'s entry to the end of the prompt's forward
     decode_seconds: float = 0.0  # wall clock of everything generate() did after the prefill (oracle included)

@@ -32,6 +32,12 @@ FIGURES = (
      "expected"),
     ("forecast/real", "forecast_over_real", "{:.2f}",
      "predicted s over decode s: 1.00 when the cost model's time forecast matches the clock", "forecast"),
+    ("cost refresh cycles", "cost_refresh_cycles", "{:d}",
+     "forecast cycles whose wall clock refreshed the cost model online (stats.cost_profile: the profile it started "
+     "from)", "refreshed"),
+    ("EAGLE-3-way cycles", "guard_eagle_cycles", "{:d}",
+     "cycles SpecFit's dominance guard ran EAGLE-3's way (its drafting and tree), because the clock said it paid more",
+     "guarded"),
     ("ms/cycle", None, "{:.2f}", "wall clock per cycle of the decode phase", "cycles"),
     ("copies/token", "copies_per_token", "{:.2f}",
      "host-to-device expert copies per new token (slot-cache misses + prefetches)", "tokens"),
@@ -81,7 +87,8 @@ def figures_of(c, force: bool = False) -> list[tuple[str, str, str, str]]:
              "demand": c.demand > 0, "measured": c.measurement_seconds > 0, "prefetch": c.prefetch_copies > 0,
              "pageable": c.pageable_copies > 0, "expected": bool(getattr(c, "expected_tokens", 0)) and c.cycles > 0,
              "waited": c.lock_wait_seconds > 0, "predicted": getattr(c, "forecast_cycles", 0) > 0,
-             "forecast": c.forecast_over_real is not None, "copied": c.bytes_copied > 0 and c.new_tokens > 0,
+             "forecast": c.forecast_over_real is not None, "refreshed": getattr(c, "cost_refresh_cycles", 0) > 0,
+             "guarded": getattr(c, "guard_eagle_cycles", 0) > 0, "copied": c.bytes_copied > 0 and c.new_tokens > 0,
              "copy wait": c.copy_wait_seconds > 0 and c.decode_seconds > 0,
              "hosted": getattr(c, "host_experts", 0) > 0 and c.new_tokens > 0,
              "host wait": getattr(c, "host_wait_seconds", 0) > 0 and c.decode_seconds > 0}

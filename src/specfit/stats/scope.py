@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from .counters import Counters
@@ -41,6 +41,8 @@ class Stats:
     # generate() scope calls it before it reads the clock or the counters, so no queued work is missed or misplaced
     settle: Callable[[], None] | None = field(default=None, repr=False)
     last_method: str | None = None  # the decoding path of the last generate() call (see the module docstring)
+    # the cost profile SpecFit's selector started from and whether it is refreshed online (set by SpecFit)
+    cost_profile: str | None = None
 
     def reset(self) -> None:
         """Zero ``total`` and the ``last_*`` spans (a running trace is kept)."""
@@ -77,10 +79,14 @@ class Stats:
         return "the last generate() call" + (f", {method}" if method else "")
 
     def __repr__(self) -> str:
-        return spans_line(self.last_generate, self.total, self._last_label(), self.last_generate != Counters())
+        line = spans_line(self.last_generate, self.total, self._last_label(), self.last_generate != Counters())
+        return line if self.cost_profile is None else f"{line[:-1]}\n      cost profile: {self.cost_profile})"
 
     def _repr_html_(self) -> str:
         return spans_html(self.last_generate, self.total, self._last_label())
+
+
+_ADDITIVE = {f.name for f in fields(Counters)}
 
 
 def _seconds(value) -> bool:
@@ -116,11 +122,12 @@ class GenerateScope:
 
     def cycle(self, pool: int, verified: int, committed: int, seconds: float, measurement: float, demand: int,
               misses: int, draft_seconds: float, expected: float = 0.0, predicted: float | None = None,
-              host: int = 0) -> None:
+              host: int = 0, counts: dict | None = None) -> None:
         """One decoding cycle; ``seconds`` is its wall clock, ``measurement`` the part of it spent measuring,
         ``expected`` the tokens the assistant expected it to commit, ``predicted`` the seconds its cost model
         predicted for it, drafting included (None: the cycle was not forecast, and adds nothing); ``misses`` the
-        experts its verify forward copied, ``host`` those it computed on the host lane."""
+        experts its verify forward copied, ``host`` those it computed on the host lane; ``counts``: more
+        ``Counters`` fields the assistant counted in it (e.g. ``{"cost_refresh_cycles": 1}``), added."""
         if predicted is not None and not _seconds(predicted):
             raise ValueError(f"predicted= is the cost model's forecast of the cycle in seconds, a finite number >= 0 "
                              f"(None: not forecast), got {predicted!r}")
@@ -131,6 +138,10 @@ class GenerateScope:
         if predicted is not None:
             t.predicted_seconds += float(predicted)
             t.forecast_cycles += 1
+        for name, value in (counts or {}).items():
+            if name not in _ADDITIVE:
+                raise ValueError(f"counts= names Counters fields to add to, got {name!r}")
+            setattr(t, name, getattr(t, name) + value)
         t.cycles += 1
         t.nodes_drafted += pool
         t.nodes_verified += verified
