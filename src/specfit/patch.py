@@ -23,7 +23,7 @@ from .decoding.options import DecodingOptions
 from .decoding.strategy import install_generation_strategy, remove_generation_strategy
 from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
-from .offload import checkpoint, moves
+from .offload import checkpoint, moves, policies
 from .offload.config import OffloadConfig
 from .offload.experts import ATTR, specfit_experts_forward
 from .offload.link import LinkConfig
@@ -38,13 +38,16 @@ from .selection.route_sources import choose_route_source
 
 
 def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str = "cached",
-           link: LinkConfig | float | None = None, pin: bool | str = "auto", device=None, drafter=None,
-           store: ExpertStore | None = None, **decoding) -> nn.Module:
+           cache_policy: str = policies.DEFAULT, link: LinkConfig | float | None = None, pin: bool | str = "auto",
+           device=None, drafter=None, store: ExpertStore | None = None, **decoding) -> nn.Module:
     """Offload ``model``'s routed experts to host memory with ``cache_slots`` device slots per MoE layer.
 
     Args:
         cache_slots: expert slots per layer on the compute device, 1..num_experts (the paper: 48, 24 or 12 of 128).
-        cache_mode: ``"cached"`` (LRU across forwards) or ``"cleared"`` (slots emptied before every forward).
+        cache_mode: ``"cached"`` (slots kept across forwards) or ``"cleared"`` (emptied before every forward).
+        cache_policy: which resident expert a load evicts (``offload/policies.py``): ``"forecast"`` (the default:
+            decayed frequency, plus the drafted tree's predicted routes where SpecFit drafts one), ``"frequency"``
+            (decayed frequency alone), ``"frequency-age"`` (frequency over age) or ``"lru"``.
         link: an emulated host link for CPU studies: a ``LinkConfig`` or seconds per expert copy.
         pin: pin the host arenas in place (CUDA only); ``"auto"`` pins when CUDA is available.
         device: the compute device; defaults to where the model's embeddings are.
@@ -63,7 +66,8 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     num_experts = first.num_experts
     _check_slots(cache_slots, num_experts)
     link = _link_config(link)
-    config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin)
+    config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin,
+                           cache_policy=cache_policy)
     device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
     _check_link_device(link, device)
     _check_weights_in_memory(model)
@@ -182,14 +186,16 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
         device_map: as in transformers, for the weights that are not routed experts, which SpecFit keeps on one
             device: ``"auto"`` (the default device), one device (``"cuda:1"``, ``0``, ``"cpu"``) or a dict mapping
             every module to the same device. Maps over several devices, and disk offload, are refused.
-        **enable_kwargs: passed to ``specfit.enable`` (``drafter``, ``link``, ``cache_mode``, decoding options...).
+        **enable_kwargs: passed to ``specfit.enable`` (``drafter``, ``link``, ``cache_mode``, ``cache_policy``,
+            decoding options...).
     """
     _check_keywords(enable_kwargs, FROM_PRETRAINED_KEYWORDS, "specfit.from_pretrained", named=from_pretrained)
     device = _device_of_map(device_map, device)
     _decoding_options(enable_kwargs)
     _check_slots(cache_slots)
     enable_kwargs["link"] = link = _link_config(enable_kwargs.get("link"))
-    OffloadConfig(cache_slots=cache_slots, cache_mode=enable_kwargs.get("cache_mode", "cached"), link=link, pin=pin)
+    OffloadConfig(cache_slots=cache_slots, cache_mode=enable_kwargs.get("cache_mode", "cached"), link=link, pin=pin,
+                  cache_policy=enable_kwargs.get("cache_policy", policies.DEFAULT))
     device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     _check_link_device(link, device)
 
@@ -204,8 +210,9 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
 # --- checks of what enable / configure / from_pretrained are given ----------------------------------------------
 OPTION_NAMES = tuple(f.name for f in fields(DecodingOptions))  # new options pass the keyword check by themselves
 DECODING_KEYWORDS = OPTION_NAMES + ("cost_model", "route_predictor")  # enable's **decoding
-FROM_PRETRAINED_KEYWORDS = DECODING_KEYWORDS + ("cache_mode", "link", "drafter")
-ENABLE_ONLY = ("cache_slots", "cache_mode", "link", "pin", "device", "store", "drafter", "route_predictor")
+FROM_PRETRAINED_KEYWORDS = DECODING_KEYWORDS + ("cache_mode", "cache_policy", "link", "drafter")
+ENABLE_ONLY = ("cache_slots", "cache_mode", "cache_policy", "link", "pin", "device", "store", "drafter",
+               "route_predictor")
 
 
 def _check_keywords(given, accepted, where: str, named=None, enable_only=()) -> None:

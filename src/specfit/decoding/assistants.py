@@ -181,6 +181,7 @@ class SpecFitGenerator(Eagle3Generator):
                 self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
             if not takes_from_level(self.winner, tree.depths, tree.depth):
                 break
+        self.runtime.expect_tree(values, node_routes)  # the pool: a forecast for the slot caches (offload/policies.py)
         root_demand = int(root_routes.sum())
         self._root = (root_demand, root_demand if resident is None else int((root_routes & ~resident).sum()))
         self.backoff.record(paid=self._paid())

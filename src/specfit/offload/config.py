@@ -1,10 +1,11 @@
-"""How a model is offloaded: slots per layer, cache mode, emulated link, pinning. No torch here."""
+"""How a model is offloaded: slots per layer, cache mode and policy, emulated link, pinning. No torch here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .link import LinkConfig
+from .policies import DEFAULT, check_policy
 
 CACHE_MODES = ("cached", "cleared")
 
@@ -15,9 +16,11 @@ class OffloadConfig:
     cache_mode: str = "cached"  # "cleared": empty every slot before each forward (the paper's vanilla baseline)
     link: LinkConfig | None = None  # emulated host link (CPU studies); None = real copies only
     pin: bool | str = "auto"
+    cache_policy: str = DEFAULT  # which expert a load evicts (offload/policies.py)
 
     def __post_init__(self):
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
         if self.link is not None and not isinstance(self.link, LinkConfig):
             raise ValueError(f"link must be a LinkConfig or None, got {self.link!r}")
+        check_policy(self.cache_policy)

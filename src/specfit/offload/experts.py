@@ -49,7 +49,8 @@ class LayerRuntime:
             groups, weights = [("untracked", needed, None)], [self._untracked(needed)]
             ready = iter([None])
         else:
-            fetch = self.cache.start(needed, rt.forward_counters)
+            uses = [len(rows[e]) for e in needed] if num_tokens > 1 else None  # tokens per expert, for the policy
+            fetch = self.cache.start(needed, rt.forward_counters, uses)
             groups, weights, ready = fetch.groups, None, self.cache.ready(fetch)
         grouped = rt.grouped_experts and weights is None
         plans = [plan_group(rows, top_k, len(flat), experts, slots, grouped and slots is not None,
