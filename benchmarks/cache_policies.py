@@ -14,7 +14,10 @@ first ones). CPU, emulated link (the embedded model's structural default): not G
    own slot bookkeeping, and MIN (Belady with bypass, offline) the same forwards: misses per token of the decode
    forwards, as the stats count them, and the ratio to MIN. The recording policy's replay must equal the live
    counters (checked). ``forecast, no fcst`` is the forecast policy with the recorded forecasts withheld.
-2. Clock (``--clock-slots``): one model per method and policy, taking turns prompt by prompt, each whole
+2. AR with the drafter's forecast, offline (``--no-ar-forecast`` skips it): plain decoding runs no drafter, so a
+   forecast costs the drafter's step per token; this records AR with that forecast, replays it, and holds the
+   copies it saves (x the link's time per copy) against the drafter's time per token.
+3. Clock (``--clock-slots``): one model per method and policy, taking turns prompt by prompt, each whole
    ``generate()`` call timed (wall clock); tok/s = new tokens over those seconds; greedy outputs checked identical
    to AR's. Copies per token and hit rate from the live counters.
 
@@ -55,6 +58,62 @@ def record(model, tokenizer, method: str, prompts: list[str], tokens: int):
             misses += c.misses
             tape.new_tokens += c.new_tokens
     return tape, misses
+
+
+def ar_forecast(workloads, tokens: int, all_slots) -> list[dict]:
+    """Plain decoding with a forecast from the drafter, offline: a greedy loop of target forwards, each followed by
+    what that forecast would cost a deployment (the drafter's step on the new token, its first drafted level, the
+    route predictor on that level's nodes, weighted by draft probability: the likely routes of the token after the
+    next), kept on the tape as the forecast for the next forward. Replays frequency against forecast, and times the
+    drafter's work against the target forwards' (interleaved, every slot resident, no link)."""
+    import numpy as np
+
+    from specfit import embedded
+    from specfit.drafting.levels import TreeDrafter
+    from specfit.evaluation.cache_replay import Tape, replay
+    from specfit.offload.policies import tree_forecast
+    from transformers import DynamicCache
+
+    model, tokenizer = embedded.load(64, link=None)
+    rt = model.specfit
+    drafter = TreeDrafter(rt.drafter, topk=2, depth=1, max_pool=2)
+    drafter.route_head = rt.route_predictor.routes
+    copy_seconds = embedded.default_link_seconds()
+    rows = []
+    for workload, prompts in workloads:
+        tape = Tape(len(rt.layers), rt.num_experts)
+        target_s = drafter_s = 0.0
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = tokenizer(prompt, return_tensors="pt").input_ids
+                cache = DynamicCache(config=model.config)
+                out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+                tape.add(rt.routes.last.numpy(), counted=False)
+                token = int(out.logits[0, -1].argmax())
+                drafter.reset()
+                drafter.extend(rt.aux_capture.features(), torch.cat([ids[:, 1:], torch.tensor([[token]])], 1))
+                for _ in range(tokens - 1):
+                    t0 = time.perf_counter()
+                    for tree in drafter.levels():
+                        pass
+                    node_routes, _ = drafter.routes()
+                    forecast = tree_forecast(np.asarray(tree.qs) / sum(tree.qs), node_routes)
+                    t1 = time.perf_counter()
+                    out = model(torch.tensor([[token]]), cache=cache, use_cache=True, logits_to_keep=1)
+                    token = int(out.logits[0, -1].argmax())
+                    t2 = time.perf_counter()
+                    drafter.extend(rt.aux_capture.features(), torch.tensor([[token]]))
+                    drafter_s += time.perf_counter() - t2 + t1 - t0
+                    target_s += t2 - t1
+                    tape.add(rt.routes.last.numpy(), counted=True, forecast=forecast)
+                tape.new_tokens += tokens
+        steps = tape.counted.count(True)
+        for slots in all_slots:
+            freq, fcst = (replay(tape, slots, p) / tape.new_tokens for p in ("frequency", "forecast"))
+            rows.append({"workload": workload, "slots": slots, "frequency": freq, "forecast": fcst,
+                         "drafter_ms": drafter_s / steps * 1e3, "target_ms": target_s / steps * 1e3,
+                         "copy_ms": copy_seconds * 1e3, "saved_copy_ms": (freq - fcst) * copy_seconds * 1e3})
+    return rows
 
 
 def replay_table(tape, slots: int, policies) -> dict:
@@ -118,6 +177,8 @@ def main() -> None:
     ap.add_argument("--record-policy", default="lru")
     ap.add_argument("--clock-slots", type=int, nargs="*", default=[12])
     ap.add_argument("--clock-policies", nargs="+", default=["lru", "frequency", "forecast"])
+    ap.add_argument("--no-ar-forecast", dest="ar_forecast", action="store_false",
+                    help="skip the offline measure of AR with the drafter's forecast")
     ap.add_argument("--link-ratio", type=float, default=1.0, help="x the structural default link; 0: no link")
     ap.add_argument("--smoke", action="store_true", help="1 prompt per workload, 12 tokens, 12 slots")
     ap.add_argument("--out", default="benchmarks/results/cache_policies")
@@ -155,6 +216,16 @@ def main() -> None:
                 cells = "  ".join(f"{k} {v:6.1f} ({v / row['MIN']:.2f})" for k, v in row.items() if k != "MIN")
                 print(f"{workload:5s} {method:7s} {slots:2d} slots  MIN {row['MIN']:6.1f}  {cells}  "
                       f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
+    if args.ar_forecast and "ar" in args.methods:
+        rows = ar_forecast(workloads, args.tokens, args.slots)
+        print("\nAR with the drafter's forecast (offline; every slot resident while timing, no link): misses per token, "
+              "and what it would cost per token against what it would save")
+        for r in rows:
+            print(f"  {r['workload']:5s} {r['slots']:2d} slots: frequency {r['frequency']:6.1f}, forecast "
+                  f"{r['forecast']:6.1f}; drafter {r['drafter_ms']:.2f} ms per token (target forward "
+                  f"{r['target_ms']:.2f} ms) against copies saved x {r['copy_ms']:.3f} ms = {r['saved_copy_ms']:.2f} ms "
+                  f"({'pays' if r['saved_copy_ms'] > r['drafter_ms'] else 'does not pay'})", flush=True)
+        results["ar_forecast"] = rows
     for slots in args.clock_slots:
         rows = clock(slots, link, args.methods, args.clock_policies, workloads, args.tokens)
         for workload, prompts in workloads:

@@ -21,9 +21,6 @@ import numpy as np
 from ..offload.policies import make_policy, tree_forecast
 from ..offload.slots import SlotBook
 
-NEVER = float("inf")
-
-
 @dataclass
 class Tape:
     """Per MoE layer, one entry per recorded forward: the needed experts (ascending) and the tokens routed to each
@@ -114,10 +111,11 @@ def belady(tape: Tape, slots: int) -> int:
 
 
 def belady_layer(needed: list[list[int]], counted: list[bool], slots: int) -> int:
-    """MIN for one layer's sequence of needed sets.
+    """MIN for one layer's sequence of needed sets: after each forward, keep the experts whose next use comes
+    soonest (ties: the one whose following uses come sooner).
 
-    >>> belady_layer([[0, 1], [2], [0], [1], [2]], [True] * 5, 2)  # after 2: keep 0 (next), drop 1 (later)
-    5
+    >>> belady_layer([[0, 1], [2], [0], [1], [2]], [True] * 5, 2)  # 2 is streamed: 0 and 1 are needed before it
+    4
     """
     uses: dict[int, list[int]] = {}
     for t in range(len(needed) - 1, -1, -1):  # each expert's use times, soonest last (popped as they pass)
@@ -125,6 +123,7 @@ def belady_layer(needed: list[list[int]], counted: list[bool], slots: int) -> in
             uses.setdefault(e, []).append(t)
     resident: set[int] = set()
     misses = 0
+    horizon = len(needed)
     for t, now in enumerate(needed):
         for e in now:
             uses[e].pop()
@@ -135,7 +134,7 @@ def belady_layer(needed: list[list[int]], counted: list[bool], slots: int) -> in
         candidates = (resident | wanted) - hits
         room = slots - len(hits)
         if len(candidates) > room:
-            soonest = sorted(candidates, key=lambda e: (uses[e][-1] if uses[e] else NEVER, e))
+            soonest = sorted(candidates, key=lambda e: (uses[e][-1:] or [horizon], uses[e][-2:-1] or [horizon], e))
             candidates = set(soonest[:room])
         resident = hits | candidates
     return misses

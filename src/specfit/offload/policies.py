@@ -120,13 +120,15 @@ class _Counting(Policy):
         return misses if len(misses) < 2 else sorted(misses, key=self._keys(), reverse=True)
 
     def victims(self, order, in_use, incoming):
-        """The weakest evictable residents, weakest for the strongest miss; from the first miss that does not
-        outscore its victim on (and so every weaker one after it), streamed when ``bypass``."""
+        """The weakest evictable residents (ties: the least recently used first), the weakest for the strongest
+        miss; from the first miss that does not outscore its victim on (and so every weaker one after it),
+        streamed when ``bypass``."""
         key = self._keys()
-        ranked = sorted(order.keys() - in_use, key=key)[: len(incoming)]
+        ranked = (v for v in sorted(order, key=key) if v not in in_use)  # sorted is stable: LRU order on ties
         out: list[int | None] = []
-        for e, v in zip(incoming, ranked):
-            if self.bypass and key(v) >= key(e):
+        for e in incoming:
+            v = next(ranked, None)
+            if v is None or (self.bypass and key(v) >= key(e)):
                 break
             out.append(v)
         return out + [None] * (len(incoming) - len(out))
@@ -177,23 +179,16 @@ class DecayedFrequency(_Counting):
             g[e] += scale + extra * (n - 1)
 
     def victims(self, order, in_use, incoming):
-        if self.forecast is not None or not order:
+        if self.forecast is not None or len(incoming) > 1 or not order:
             return super().victims(order, in_use, incoming)
-        g = self.g  # no forecast: the keys are g itself, read inline (this runs per layer and forward)
-        if len(incoming) == 1:
-            weakest = min(order, key=g.__getitem__)  # the experts in use were just counted: rarely the weakest
-            if weakest in in_use:
-                free = order.keys() - in_use
-                if not free:
-                    return [None]
-                weakest = min(free, key=g.__getitem__)
-            return [None] if self.bypass and g[weakest] >= g[incoming[0]] else [weakest]
-        out: list[int | None] = []
-        for e, v in zip(incoming, sorted(order.keys() - in_use, key=g.__getitem__)):
-            if self.bypass and g[v] >= g[e]:
-                break
-            out.append(v)
-        return out + [None] * (len(incoming) - len(out))
+        g = self.g  # one miss, no forecast: the keys are g itself, read inline (this runs per layer and forward)
+        weakest = min(order, key=g.__getitem__)  # the first of the weakest in LRU order: the LRU one on ties
+        if weakest in in_use:  # rare: the experts in use were just counted
+            free = [e for e in order if e not in in_use]
+            if not free:
+                return [None]
+            weakest = min(free, key=g.__getitem__)
+        return [None] if self.bypass and g[weakest] >= g[incoming[0]] else [weakest]
 
     def _key(self, e: int) -> float:
         if self.forecast is None:
@@ -262,7 +257,7 @@ POLICIES: dict[str, Callable[[int], Policy]] = {
 def check_policy(name) -> str:
     """``name`` if it names a policy, else a ValueError naming the ones that do (and the closest)."""
     if not isinstance(name, str) or name not in POLICIES:
-        close = difflib.get_close_matches(name, POLICIES, n=1) if isinstance(name, str) else []
+        close = difflib.get_close_matches(name.lower(), POLICIES, n=1) if isinstance(name, str) else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"cache_policy must be one of {', '.join(repr(n) for n in POLICIES)} (default {DEFAULT!r}: "
                          f"decayed frequency, with the drafted tree's forecast where SpecFit drafts one), got "
