@@ -29,25 +29,30 @@ def test_docstring_examples():
         assert doctest.testmod(module).failed == 0, module.__name__
 
 
-def test_decayed_frequency_keeps_the_frequent_expert_and_streams_a_newcomer():
-    """Decay 0.9 per plan: an expert used three times outlasts one used once since, which LRU would keep; a
-    newcomer scoring below every evictable resident is streamed, and admitted on its second use."""
-    freq, lru_book = SlotBook(2, 8, make_policy("frequency", 8)), lru.LRUSlots(2, 8)
+def test_decayed_frequency_keeps_the_frequent_expert_and_bypass_streams_a_newcomer():
+    """Decay 0.9 per plan: an expert used three times outlasts one used once since, which LRU would keep. A newcomer
+    scoring below every resident is not admitted (``admits``): the default evicts the weakest resident anyway,
+    ``bypass=True`` streams the newcomer and admits it on its second use."""
+    books = {"lru": lru.LRUSlots(2, 8), "frequency": SlotBook(2, 8, make_policy("frequency", 8)),
+             "bypass": SlotBook(2, 8, DecayedFrequency(8, bypass=True))}
     for needed in ([0], [0], [0], [1]):
-        freq.plan(needed)
-        lru_book.plan(needed)
-    assert lru_book.plan([2]).evicted == (0,)
-    p = freq.plan([2])  # scores: 0 -> .9**4 + .9**3 + .9**2 = 2.195, 1 -> .9, 2 -> 1 (its use counted)
-    assert (p.loads, p.evicted) == (((2, 1),), (1,))
-    freq.plan([0, 2])  # 0 -> 2.976, 2 -> 1.9
-    assert not freq.admits(5)  # 5 would score 1, the weakest resident 1.71
+        for book in books.values():
+            book.plan(needed)
+    assert books["lru"].plan([2]).evicted == (0,)
+    freq = books["bypass"]
+    for book in (books["frequency"], freq):
+        p = book.plan([2])  # scores: 0 -> .9**4 + .9**3 + .9**2 = 2.195, 1 -> .9, 2 -> 1 (its use counted)
+        assert (p.loads, p.evicted) == (((2, 1),), (1,))
+        book.plan([0, 2])  # 0 -> 2.976, 2 -> 1.9
+        assert not book.admits(5)  # 5 would score 1, the weakest resident 1.71
+    assert books["frequency"].plan([5]).evicted == (2,)
     p = freq.plan([5])
     assert (p.loads, p.streamed, p.evicted) == ((), (5,), ())
     assert [freq.score(e) for e in (0, 2, 5, 1)] == pytest.approx([2.678, 1.71, 1.0, .729], abs=1e-3)
     assert freq.admits(5)  # a second use: .9 + 1 = 1.9 > 2's 1.539
     p = freq.plan([5])
     assert (p.loads, p.evicted) == (((5, 1),), (2,))
-    assert sorted(freq.resident) == [0, 5]
+    assert sorted(freq.resident) == [0, 5] and books["lru"].admits(7)
 
 
 def test_a_forecast_protects_its_expert_for_one_plan():
@@ -59,10 +64,10 @@ def test_a_forecast_protects_its_expert_for_one_plan():
         book.plan([0, 1])  # equal histories
         book.expect(forecast)
         assert book.score(0) == pytest.approx(2.0 if policy == "forecast" else 1.0)
-        plan = book.plan([2, 3], uses=[3, 3])  # each used by 3 tokens: 1.2 against 0.9 (+ 1 forecast for 0)
+        plan = book.plan([2], uses=[3])  # 0 and 1 at 0.9 (+ 1 forecast for 0); ties go to the least recent
         evicted[policy] = plan.evicted
         assert book.policy.forecast is None and book.score(0) == pytest.approx(0.9)  # consumed by the plan
-    assert evicted == {"forecast": (1,), "frequency": (0, 1)}  # the forecast expert kept; 3 streamed instead
+    assert evicted == {"forecast": (1,), "frequency": (0,)}  # the forecast expert kept
     assert not make_policy("frequency", 8).reads_forecasts and make_policy("forecast", 8).reads_forecasts
 
 
@@ -97,7 +102,7 @@ def reference_decayed(trace, num_slots, decay, extra, bypass):
     return misses
 
 
-def reference_over_age(trace, num_slots, extra):
+def reference_over_age(trace, num_slots, extra, bypass):
     freq, last, order, misses = {}, {}, [], 0
 
     def score(e, t):
@@ -119,7 +124,7 @@ def reference_over_age(trace, num_slots, extra):
                 order.append(e)
                 continue
             j = i - free
-            if j >= len(victims) or score(victims[j], t) >= score(e, t):
+            if j >= len(victims) or (bypass and score(victims[j], t) >= score(e, t)):
                 break
             order.remove(victims[j])
             order.append(e)
@@ -144,9 +149,9 @@ def test_the_policies_match_plain_references(num_slots):
         book = SlotBook(num_slots, 12, DecayedFrequency(12, decay=0.5, extra_use=0.125, bypass=bypass))
         got = sum(book.plan(needed, uses=uses).misses for needed, uses in trace)
         assert got == reference_decayed(trace, num_slots, 0.5, 0.125, bypass)
-    book = SlotBook(num_slots, 12, FrequencyOverAge(12, extra_use=0.125))
-    got = sum(book.plan(needed, uses=uses).misses for needed, uses in trace)
-    assert got == reference_over_age(trace, num_slots, 0.125)
+        book = SlotBook(num_slots, 12, FrequencyOverAge(12, extra_use=0.125, bypass=bypass))
+        got = sum(book.plan(needed, uses=uses).misses for needed, uses in trace)
+        assert got == reference_over_age(trace, num_slots, 0.125, bypass)
 
 
 def optimum(sequence, counted, num_slots):

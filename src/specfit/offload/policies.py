@@ -7,9 +7,12 @@ scratch, keeping every resident), then ``planned``. ``score(e)`` is how likely e
 the policy's own units: what it evicts the lowest of. ``expect`` hands it a forecast for the next plan.
 
 A forward's use of an expert weighs ``1 + 0.1 x (tokens routed to it - 1)``: a long prompt ranks the experts it uses
-most, a verify forward counts hardly more than a decode step. The frequency policies *bypass*: a miss scoring no
-higher than every evictable resident is streamed through scratch instead of evicting one (one copy either way; it
-gets a slot on its next use).
+most, a verify forward counts hardly more than a decode step. ``admits(e)`` says whether a miss of ``e`` would
+outscore the weakest resident: whether a slot pays for it (a host lane may compute the others where they are). The
+frequency policies can also *bypass* (``bypass=True``): stream such a miss through scratch instead of evicting the
+weakest resident. Off by default: on the embedded model it saves 1-12% of the misses, but streams 14-60 experts per
+token for it, and a streamed expert computes alone, after the scratch ring's copies, so plain decoding and EAGLE-3
+ran slower with it at 12 slots (``benchmarks/cache_policies.py``, BENCHMARKS.md).
 
 - ``"lru"``: evict the least recently used expert; every miss that finds an evictable slot takes it.
 - ``"frequency"``: decayed frequency, ``score = sum of the weights of past uses x 0.9 ** (the layer's plans since
@@ -64,8 +67,8 @@ class Policy:
         raise NotImplementedError
 
     def admits(self, expert: int, order) -> bool:
-        """Whether a miss of ``expert`` would evict the weakest resident rather than be streamed (all slots full,
-        none of them needed by the forward)."""
+        """Whether a miss of ``expert``, its use counted, would outrank the weakest resident of ``order`` (all
+        slots full, none of them needed by the forward): whether a slot pays for it."""
         raise NotImplementedError
 
 
@@ -95,10 +98,10 @@ class LRU(Policy):
 
 class _Counting(Policy):
     """What the frequency policies share: the weight of a forward's use of an expert, ``1 + extra_use x (tokens -
-    1)``; victims by the lowest ``_key`` (the score in the policy's own scale); and bypass (a miss keyed no higher
-    than every evictable resident is streamed)."""
+    1)``; victims by the lowest ``_key`` (the score in the policy's own scale); and ``bypass`` (a miss keyed no
+    higher than every evictable resident is streamed)."""
 
-    def __init__(self, num_experts: int, extra_use: float = 0.1, bypass: bool = True, name: str = ""):
+    def __init__(self, num_experts: int, extra_use: float = 0.1, bypass: bool = False, name: str = ""):
         self.extra_use, self.bypass, self.name = extra_use, bypass, name or self.name
         super().__init__(num_experts)
 
@@ -123,20 +126,21 @@ class _Counting(Policy):
         """The weakest evictable residents (ties: the least recently used first), the weakest for the strongest
         miss; from the first miss that does not outscore its victim on (and so every weaker one after it),
         streamed when ``bypass``."""
-        key = self._keys()
-        ranked = (v for v in sorted(order, key=key) if v not in in_use)  # sorted is stable: LRU order on ties
-        out: list[int | None] = []
+        key, n = self._keys(), len(incoming)
+        if not self.bypass:  # the n weakest (sorted is stable: LRU order on ties)
+            out: list[int | None] = [v for v in sorted(order, key=key) if v not in in_use][:n]
+            return out + [None] * (n - len(out))
+        ranked = (v for v in sorted(order, key=key) if v not in in_use)
+        out = []
         for e in incoming:
             v = next(ranked, None)
             if v is None or (self.bypass and key(v) >= key(e)):
                 break
             out.append(v)
-        return out + [None] * (len(incoming) - len(out))
+        return out + [None] * (n - len(out))
 
     def admits(self, expert, order):
-        if not self.bypass or not order:
-            return True
-        return self._key_if_used(expert) > min(map(self._keys(), order))
+        return not order or self._key_if_used(expert) > min(map(self._keys(), order))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, extra_use={self.extra_use}, bypass={self.bypass})"
@@ -176,7 +180,7 @@ class DecayedFrequency(_Counting):
             return
         extra = self.extra_use * scale
         for e, n in zip(needed, uses):  # a use weighs 1 + extra_use x (tokens - 1), inlined: this runs per layer
-            g[e] += scale + extra * (n - 1)
+            g[e] += scale if n == 1 else scale + extra * (n - 1)
 
     def victims(self, order, in_use, incoming):
         if self.forecast is not None or len(incoming) > 1 or not order:

@@ -4,7 +4,7 @@ replacement policy (``policies.py``) choosing what to evict. Pure Python, no tor
 Vocabulary: an expert is *resident* when a device slot holds its weights. For one forward the layer *needs* a set
 of experts; each needed expert is a *hit* (resident), a *load* (copied into a slot: a free one, else one whose expert
 the policy evicts; never one this forward needs), or *streamed* (copied through a scratch buffer and not kept: every
-slot holds an expert this forward needs, or the policy keeps every evictable expert over it). Loads and streamed
+slot holds an expert this forward needs, or a policy with bypass keeps every evictable expert over it). Loads and streamed
 experts are both *misses*, and every miss is exactly one host-to-device copy.
 
 Plans are transactional: a load planned with ``confirmed=False`` counts as resident only once ``confirm`` says its
@@ -78,9 +78,10 @@ class SlotBook:
         return self.policy.score(expert, self._order)
 
     def admits(self, expert: int) -> bool:
-        """Whether a miss of ``expert`` in the next forward would be given a slot (True) or streamed through
-        scratch (False), were no slot needed by that forward: a free slot, or a resident the policy keeps less
-        than ``expert`` once this use is counted. (A copy then pays for itself later; a streamed one does not.)"""
+        """Whether a slot pays for a miss of ``expert`` in the next forward, were no slot needed by that forward: a
+        free slot, or a resident the policy ranks below ``expert`` once this use is counted (LRU: always). A copy
+        into a slot may pay for itself later; for the others a host lane may compute them where they are (a
+        policy with ``bypass`` streams them)."""
         return bool(self._free) or self.policy.admits(expert, self._order)
 
     def expect(self, forecast: Sequence[float] | None) -> None:
