@@ -71,47 +71,13 @@ def test_a_forecast_protects_its_expert_for_one_plan():
     assert not make_policy("frequency", 8).reads_forecasts and make_policy("forecast", 8).reads_forecasts
 
 
-def reference_decayed(trace, num_slots, decay, extra, bypass):
-    """Misses of decayed frequency written plainly: each expert's score summed from its history of uses, victims
-    the weakest evictable (ties: least recently used), misses offered strongest first."""
-    history, order, misses = {}, [], 0  # order: residents, least recently used first
-
-    def score(e, t):
-        return sum(w * decay ** (t - u) for u, w in history.get(e, ()))
-
+def reference_misses(trace, num_slots, bypass, record, score):
+    """Misses of a frequency policy written plainly: ``record(e, t, weight)`` notes each use, ``score(e, t)`` ranks;
+    victims are the weakest evictable (ties: least recently used), misses are offered slots strongest first."""
+    order, misses = [], 0  # residents, least recently used first
     for t, (needed, uses) in enumerate(trace, 1):
         for e, n in zip(needed, uses or [1] * len(needed)):
-            history.setdefault(e, []).append((t, 1 + extra * (n - 1)))
-        hits = [e for e in needed if e in order]
-        for e in hits:
-            order.remove(e)
-            order.append(e)
-        missed = sorted((e for e in needed if e not in order), key=lambda e: -score(e, t))
-        misses += len(missed)
-        victims = sorted((v for v in order if v not in needed), key=lambda v: score(v, t))
-        free = num_slots - len(order)
-        for i, e in enumerate(missed):
-            if i < free:
-                order.append(e)
-                continue
-            j = i - free
-            if j >= len(victims) or (bypass and score(victims[j], t) >= score(e, t)):
-                break
-            order.remove(victims[j])
-            order.append(e)
-    return misses
-
-
-def reference_over_age(trace, num_slots, extra, bypass):
-    freq, last, order, misses = {}, {}, [], 0
-
-    def score(e, t):
-        return freq.get(e, 0.0) / (t - last.get(e, t) + 1)
-
-    for t, (needed, uses) in enumerate(trace, 1):
-        for e, n in zip(needed, uses or [1] * len(needed)):
-            freq[e] = freq.get(e, 0.0) + (1.0 if n == 1 else 1.0 + extra * (n - 1))
-            last[e] = t
+            record(e, t, 1.0 if n == 1 else 1.0 + 0.125 * (n - 1))
         for e in [e for e in needed if e in order]:
             order.remove(e)
             order.append(e)
@@ -131,6 +97,24 @@ def reference_over_age(trace, num_slots, extra, bypass):
     return misses
 
 
+def reference_decayed(trace, num_slots, bypass):
+    """Decay 1/2: each expert's score summed from its history of uses."""
+    history = {}
+    return reference_misses(trace, num_slots, bypass, lambda e, t, w: history.setdefault(e, []).append((t, w)),
+                            lambda e, t: sum(w * 0.5 ** (t - u) for u, w in history.get(e, ())))
+
+
+def reference_over_age(trace, num_slots, bypass):
+    freq, last = {}, {}
+
+    def record(e, t, w):
+        freq[e] = freq.get(e, 0.0) + w
+        last[e] = t
+
+    return reference_misses(trace, num_slots, bypass, record,
+                            lambda e, t: freq.get(e, 0.0) / (t - last.get(e, t) + 1))
+
+
 def random_trace(seed, length=300):
     rng = random.Random(seed)
     trace = []
@@ -148,10 +132,10 @@ def test_the_policies_match_plain_references(num_slots):
     for bypass in (True, False):
         book = SlotBook(num_slots, 12, DecayedFrequency(12, decay=0.5, extra_use=0.125, bypass=bypass))
         got = sum(book.plan(needed, uses=uses).misses for needed, uses in trace)
-        assert got == reference_decayed(trace, num_slots, 0.5, 0.125, bypass)
+        assert got == reference_decayed(trace, num_slots, bypass)
         book = SlotBook(num_slots, 12, FrequencyOverAge(12, extra_use=0.125, bypass=bypass))
         got = sum(book.plan(needed, uses=uses).misses for needed, uses in trace)
-        assert got == reference_over_age(trace, num_slots, 0.125, bypass)
+        assert got == reference_over_age(trace, num_slots, bypass)
 
 
 def optimum(sequence, counted, num_slots):
