@@ -17,9 +17,9 @@ first ones). CPU, emulated link (the embedded model's structural default): not G
 2. AR with the drafter's forecast, offline (``--no-ar-forecast`` skips it): plain decoding runs no drafter, so a
    forecast costs the drafter's step per token; this records AR with that forecast, replays it, and holds the
    copies it saves (x the link's time per copy) against the drafter's time per token.
-3. Clock (``--clock-slots``): one model per method and policy, taking turns prompt by prompt, each whole
+3. Clock (``--clock-slots``, ``--clock-methods``): one model per method and policy, taking turns prompt by prompt, each whole
    ``generate()`` call timed (wall clock); tok/s = new tokens over those seconds; greedy outputs checked identical
-   to AR's. Copies per token and hit rate from the live counters.
+   to AR's. Copies per token (misses and prefetches) and hit rate from the live counters.
 
 Writes ``results.json`` to ``--out``.
 """
@@ -35,6 +35,9 @@ from pathlib import Path
 import torch
 
 METHODS = ("ar", "eagle3", "specfit")
+# clock methods: name -> (assistant, decoding options)
+CLOCKED = {"ar": (None, {}), "eagle3": ("eagle3", {}), "specfit": ("specfit", {}),
+           "specfit-prefetch": ("specfit", {"prefetch": True})}
 
 
 def held_out(workload: str, n: int, offset: int) -> list[str]:
@@ -133,32 +136,41 @@ def clock(slots: int, link, methods, policies, workloads, tokens: int) -> list[d
     interleaved prompt by prompt (one model each, kept across workloads), every output checked against the first's."""
     from specfit import embedded
 
+    import specfit
+
     models, tokenizer = {}, None
     for m in methods:
         for p in policies:
             models[m, p], tokenizer = embedded.load(slots, link=link, cache_policy=p)
+            if CLOCKED[m][1]:
+                specfit.configure(models[m, p], **CLOCKED[m][1])
     rows = []
     for workload, prompts in workloads:
-        seconds, new, misses, demand = ({k: 0 for k in models} for _ in range(4))
+        seconds, new, copies, misses, demand, cycles, nodes = ({k: 0 for k in models} for _ in range(7))
         for prompt in prompts:
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             reference = None
             for (m, p), model in models.items():
-                kw = {} if m == "ar" else {"assistant": m}
+                kw = {} if CLOCKED[m][0] is None else {"assistant": CLOCKED[m][0]}
                 t0 = time.perf_counter()
                 out = model.generate(ids, max_new_tokens=tokens, do_sample=False, **kw)
                 seconds[m, p] += time.perf_counter() - t0
                 c = model.specfit.stats.last_generate
                 new[m, p] += c.new_tokens
+                copies[m, p] += c.copies  # misses and prefetches
                 misses[m, p] += c.misses
                 demand[m, p] += c.demand
+                cycles[m, p] += c.cycles
+                nodes[m, p] += c.nodes_verified
                 if reference is None:
                     reference = out
                 elif not torch.equal(out, reference):
                     raise AssertionError(f"{m} with cache_policy={p!r} changed the greedy output")
         rows += [{"workload": workload, "slots": slots, "method": m, "policy": p, "prompts": len(prompts),
                   "tok_s": new[m, p] / seconds[m, p], "seconds": seconds[m, p],
-                  "copies_per_token": misses[m, p] / new[m, p], "hit_rate": 1 - misses[m, p] / max(demand[m, p], 1)}
+                  "copies_per_token": copies[m, p] / new[m, p], "misses_per_token": misses[m, p] / new[m, p],
+                  "hit_rate": 1 - misses[m, p] / max(demand[m, p], 1), "tokens_per_cycle": new[m, p] / cycles[m, p],
+                  "nodes_per_cycle": nodes[m, p] / cycles[m, p]}
                  for m, p in models]
     return rows
 
@@ -177,6 +189,9 @@ def main() -> None:
     ap.add_argument("--record-policy", default="lru")
     ap.add_argument("--clock-slots", type=int, nargs="*", default=[12])
     ap.add_argument("--clock-policies", nargs="+", default=["lru", "frequency", "forecast"])
+    ap.add_argument("--clock-methods", nargs="+", default=list(METHODS), choices=list(CLOCKED),
+                    help="methods timed (specfit-prefetch: SpecFit with prefetch=True)")
+    ap.add_argument("--no-replay", dest="replay", action="store_false", help="the clock alone")
     ap.add_argument("--no-ar-forecast", dest="ar_forecast", action="store_false",
                     help="skip the offline measure of AR with the drafter's forecast")
     ap.add_argument("--link-ratio", type=float, default=1.0, help="x the structural default link; 0: no link")
@@ -191,11 +206,12 @@ def main() -> None:
     from specfit.evaluation.cache_replay import replay
 
     link = embedded.default_link(args.link_ratio) if args.link_ratio > 0 else None
-    print(f"link: {link.label if link else 'none'}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    shown = f"{link.label}, {embedded.link_seconds_per_expert(link) * 1e3:.3f} ms per bf16 expert copy" if link else "none"
+    print(f"link: {shown}; load average {os.getloadavg()[0]:.2f}", flush=True)
     results = {"args": vars(args), "replay": [], "clock": []}
     t_start = time.perf_counter()
     workloads = [(w, held_out(w, n, args.offset)) for w, n in (("gsm8k", args.gsm8k), ("cnn", args.cnn)) if n > 0]
-    for method in args.methods:
+    for method in args.methods if args.replay else ():
         once = method != "specfit"  # AR's and EAGLE-3's routes do not depend on the slots: recorded once
         loaded = {}  # slots -> (model, tokenizer), kept across workloads (each tape starts from empty slots)
         for workload, prompts in workloads:
@@ -216,7 +232,7 @@ def main() -> None:
                 cells = "  ".join(f"{k} {v:6.1f} ({v / row['MIN']:.2f})" for k, v in row.items() if k != "MIN")
                 print(f"{workload:5s} {method:7s} {slots:2d} slots  MIN {row['MIN']:6.1f}  {cells}  "
                       f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
-    if args.ar_forecast and "ar" in args.methods:
+    if args.replay and args.ar_forecast and "ar" in args.methods:
         rows = ar_forecast(workloads, args.tokens, args.slots)
         print("\nAR with the drafter's forecast (offline; every slot resident while timing, no link): misses per token, "
               "and what it would cost per token against what it would save")
@@ -227,7 +243,7 @@ def main() -> None:
                   f"({'pays' if r['saved_copy_ms'] > r['drafter_ms'] else 'does not pay'})", flush=True)
         results["ar_forecast"] = rows
     for slots in args.clock_slots:
-        rows = clock(slots, link, args.methods, args.clock_policies, workloads, args.tokens)
+        rows = clock(slots, link, args.clock_methods, args.clock_policies, workloads, args.tokens)
         for workload, prompts in workloads:
             mine = [r for r in rows if r["workload"] == workload]
             first = {r["method"]: r for r in mine if r["policy"] == args.clock_policies[0]}
@@ -239,7 +255,8 @@ def main() -> None:
                          copies_vs_first=r["copies_per_token"] / base["copies_per_token"])
                 print(f"  {r['method']:7s} {r['policy']:14s} tok/s {r['tok_s']:6.2f} (x{r['speed_vs_first']:.2f})  "
                       f"copies/token {r['copies_per_token']:6.1f} (x{r['copies_vs_first']:.2f})  "
-                      f"hit {r['hit_rate']:.2f}", flush=True)
+                      f"hit {r['hit_rate']:.2f}  nodes/cycle {r['nodes_per_cycle']:.2f}  tokens/cycle "
+                      f"{r['tokens_per_cycle']:.2f}", flush=True)
         results["clock"] += rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
