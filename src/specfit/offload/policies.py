@@ -134,7 +134,7 @@ class _Counting(Policy):
         out = []
         for e in incoming:
             v = next(ranked, None)
-            if v is None or (self.bypass and key(v) >= key(e)):
+            if v is None or key(v) >= key(e):
                 break
             out.append(v)
         return out + [None] * (n - len(out))
