@@ -1,7 +1,8 @@
 """Issue 37's figures: the slot cache's policies on the embedded model's real routes, replayed against Belady's MIN,
 and the wall clock of AR, EAGLE-3 and SpecFit with each policy.
 
-    python benchmarks/cache_policies.py --gsm8k 8 --cnn 6 --tokens 64 --slots 6 12 24 --out DIR
+    python benchmarks/cache_policies.py --gsm8k 8 --cnn 6 --tokens 64 --slots 6 12 24 \
+        --clock-methods ar eagle3 specfit specfit-prefetch --out DIR       # about 25 min on a quiet 2-core CPU
     python benchmarks/cache_policies.py --smoke     # 1 prompt per workload, 12 tokens, 12 slots, LRU and forecast
 
 Held out: GSM8K test questions and CNN/DailyMail test articles from index 100 on (the bench and the demo read the
@@ -10,16 +11,17 @@ first ones). CPU, emulated link (the embedded model's structural default): not G
 1. Replay. Each method's greedy ``generate()`` calls are recorded forward by forward (``evaluation/cache_replay``:
    routes, and SpecFit's drafted-pool forecast), with ``--record-policy`` (LRU): AR's and EAGLE-3's routes do not
    depend on the cache (recorded once), SpecFit's trees do (recorded at each slot count, so another policy's replay
-   of them is an estimate; part 2 measures SpecFit live). Every policy then replays each tape through the runtime's
+   of them is an estimate; part 3 measures SpecFit live). Every policy then replays each tape through the runtime's
    own slot bookkeeping, and MIN (Belady with bypass, offline) the same forwards: misses per token of the decode
    forwards, as the stats count them, and the ratio to MIN. The recording policy's replay must equal the live
    counters (checked). ``forecast, no fcst`` is the forecast policy with the recorded forecasts withheld.
 2. AR with the drafter's forecast, offline (``--no-ar-forecast`` skips it): plain decoding runs no drafter, so a
    forecast costs the drafter's step per token; this records AR with that forecast, replays it, and holds the
    copies it saves (x the link's time per copy) against the drafter's time per token.
-3. Clock (``--clock-slots``, ``--clock-methods``): one model per method and policy, taking turns prompt by prompt, each whole
-   ``generate()`` call timed (wall clock); tok/s = new tokens over those seconds; greedy outputs checked identical
-   to AR's. Copies per token (misses and prefetches) and hit rate from the live counters.
+3. Clock (``--clock-slots``, ``--clock-methods``): one model per method and policy, taking turns prompt by prompt,
+   each whole ``generate()`` call timed (wall clock); tok/s = new tokens over those seconds; greedy outputs checked
+   identical to the first model's (AR's). Copies per token (misses and prefetches) and hit rate from the live
+   counters.
 
 Writes ``results.json`` to ``--out``.
 """
@@ -206,7 +208,8 @@ def main() -> None:
     from specfit.evaluation.cache_replay import replay
 
     link = embedded.default_link(args.link_ratio) if args.link_ratio > 0 else None
-    shown = f"{link.label}, {embedded.link_seconds_per_expert(link) * 1e3:.3f} ms per bf16 expert copy" if link else "none"
+    shown = "none" if link is None else \
+        f"{link.label}, {embedded.link_seconds_per_expert(link) * 1e3:.3f} ms per bf16 expert copy"
     print(f"link: {shown}; load average {os.getloadavg()[0]:.2f}", flush=True)
     results = {"args": vars(args), "replay": [], "clock": []}
     t_start = time.perf_counter()
@@ -234,13 +237,14 @@ def main() -> None:
                       f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
     if args.replay and args.ar_forecast and "ar" in args.methods:
         rows = ar_forecast(workloads, args.tokens, args.slots)
-        print("\nAR with the drafter's forecast (offline; every slot resident while timing, no link): misses per token, "
-              "and what it would cost per token against what it would save")
+        print("\nAR with the drafter's forecast (offline; every slot resident while timing, no link): misses per "
+              "token, and what it would cost per token against what it would save")
         for r in rows:
             print(f"  {r['workload']:5s} {r['slots']:2d} slots: frequency {r['frequency']:6.1f}, forecast "
                   f"{r['forecast']:6.1f}; drafter {r['drafter_ms']:.2f} ms per token (target forward "
-                  f"{r['target_ms']:.2f} ms) against copies saved x {r['copy_ms']:.3f} ms = {r['saved_copy_ms']:.2f} ms "
-                  f"({'pays' if r['saved_copy_ms'] > r['drafter_ms'] else 'does not pay'})", flush=True)
+                  f"{r['target_ms']:.2f} ms) against copies saved x {r['copy_ms']:.3f} ms = "
+                  f"{r['saved_copy_ms']:.2f} ms ({'pays' if r['saved_copy_ms'] > r['drafter_ms'] else 'does not pay'})",
+                  flush=True)
         results["ar_forecast"] = rows
     for slots in args.clock_slots:
         rows = clock(slots, link, args.clock_methods, args.clock_policies, workloads, args.tokens)

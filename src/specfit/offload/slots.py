@@ -4,8 +4,8 @@ replacement policy (``policies.py``) choosing what to evict. Pure Python, no tor
 Vocabulary: an expert is *resident* when a device slot holds its weights. For one forward the layer *needs* a set
 of experts; each needed expert is a *hit* (resident), a *load* (copied into a slot: a free one, else one whose expert
 the policy evicts; never one this forward needs), or *streamed* (copied through a scratch buffer and not kept: every
-slot holds an expert this forward needs, or a policy with bypass keeps every evictable expert over it). Loads and streamed
-experts are both *misses*, and every miss is exactly one host-to-device copy.
+slot holds an expert this forward needs, or a policy with bypass keeps every evictable expert over it). Loads and
+streamed experts are both *misses*, and every miss is exactly one host-to-device copy.
 
 Plans are transactional: a load planned with ``confirmed=False`` counts as resident only once ``confirm`` says its
 copy was issued; the next plan forgets it otherwise, and ``forget`` drops loads whose copies did not all happen, so
