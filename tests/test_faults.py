@@ -171,28 +171,56 @@ def test_a_fault_at_every_call_leaves_the_next_call_exact(assistant, where):
     assert faults_leave_no_stale_slot(assistant, where, range(1, n + 1), refs) == n
 
 
-def test_an_interrupt_inside_the_lru_plan_leaves_nothing_stale():
-    """A signal can land between any two bytecodes, inside the LRU's plan too: a load marked in the plan but never
-    confirmed is forgotten by the next plan, and the free list is rebuilt."""
-    from specfit.offload.lru import LRUSlots
+def interrupt_at_line(k: int, files=("offload/slots.py", "offload/policies.py")):
+    """A trace function that raises ``Interrupt`` at the ``k``-th line run in the slot bookkeeping's files (as a
+    signal can land between any two bytecodes). Returns (tracer, [lines seen so far])."""
+    seen = [0]
 
-    lru = LRUSlots(3, 8)
-    lru.plan([0, 1])
-    original = lru._take_slot
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.replace("\\", "/").endswith(files):
+            return None
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == k:
+                raise Interrupt()
+        return tracer
 
-    def take_then_interrupt(in_use, evicted):
-        slot = original(in_use, evicted)
-        take_then_interrupt.calls += 1
-        if take_then_interrupt.calls == 2:
-            raise Interrupt()
-        return slot
+    return tracer, seen
 
-    take_then_interrupt.calls = 0
-    lru._take_slot = take_then_interrupt
-    with pytest.raises(Interrupt):
-        lru.plan([5, 6], confirmed=False)  # 5 gets the free slot, the interrupt lands while 6 takes one
-    lru._take_slot = original
-    assert 5 not in lru.resident and 6 not in lru.resident
-    plan = lru.plan([5, 6, 7])
-    assert {e for e, _ in plan.loads} == {5, 6, 7} and sorted(s for _, s in plan.loads) == [0, 1, 2]
-    assert np.array_equal(sorted(lru.resident), [5, 6, 7])
+
+@pytest.mark.parametrize("policy", ["lru", "frequency", "forecast"])
+def test_an_interrupt_at_any_line_of_a_plan_leaves_nothing_stale(policy):
+    """A signal can land between any two bytecodes, inside the slot plan (and its policy) too: a load marked in the
+    plan but never confirmed is forgotten by the next plan, a slot taken but not yet marked is freed again, and the
+    next plan assigns every slot once."""
+    import sys
+
+    from specfit.offload.policies import make_policy
+    from specfit.offload.slots import SlotBook
+
+    def book():
+        b = SlotBook(3, 8, make_policy(policy, 8))
+        b.plan([0, 1])
+        b.plan([1, 2], uses=[2, 1])
+        b.expect([0.5] * 8)
+        return b
+
+    fired = 0
+    for k in range(1, 1000):
+        b = book()
+        tracer, seen = interrupt_at_line(k)
+        sys.settrace(tracer)
+        try:
+            b.plan([3, 4, 5, 6], confirmed=False, uses=[1, 3, 1, 2])  # 4 needed, 3 slots: loads, evictions, a stream
+        except Interrupt:
+            fired += 1
+        finally:
+            sys.settrace(None)
+        if seen[0] < k:  # the plan ran to its end before line k: it has been interrupted at every line
+            break
+        assert not {3, 4, 5, 6} & set(b.resident), f"line {k}: an unconfirmed load is resident"
+        plan = b.plan([3, 4, 5], uses=[50] * 3)  # the next plan recovers (used by 50 tokens each: no bypass)
+        assert sorted(e for e, _ in plan.loads + plan.hits) == [3, 4, 5], f"line {k}: {plan}"
+        assert sorted(s for _, s in plan.loads + plan.hits) == [0, 1, 2] and sorted(b.resident) == [3, 4, 5]
+        assert not b._free and len(b._order) == 3  # every slot assigned once
+    assert fired > 20

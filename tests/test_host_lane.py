@@ -409,3 +409,33 @@ def test_the_regime_maps_host_axis_is_checked_and_reported():
 def test_docstring_examples_run():
     for module in (specfit.offload.cold, specfit.offload.host_lane, specfit.offload.experts):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_auto_values_a_copy_against_the_expert_the_cache_policy_would_evict(monkeypatch):
+    """The worth of a copy under cold="auto" is its reuse minus what the expert it evicts loses: that expert is the
+    one the slot cache's policy evicts (issue 37 meets 36), not the least recently used one."""
+    from types import SimpleNamespace
+
+    from specfit.offload import experts
+    from specfit.offload.cold import ReuseEstimate
+    from specfit.offload.policies import DecayedFrequency
+    from specfit.offload.slots import SlotBook
+
+    book = SlotBook(num_slots=2, num_experts=8, policy=DecayedFrequency(8))
+    reuse = ReuseEstimate()
+    for needed in [[1]] * 5 + [[0]]:  # 1 used often, then 0 once: LRU would evict 1, the frequency policy 0
+        book.plan(needed)
+        reuse.observe(needed)
+    assert list(book.resident) == [1, 0]
+    seen = {}
+
+    def choose(cold, tokens, copy_seconds, host_seconds, reuse_of, victims, link_busy):
+        seen["victims"] = list(victims)
+        return list(cold)
+
+    monkeypatch.setattr(experts, "choose_host", choose)
+    layer = SimpleNamespace(runtime=SimpleNamespace(cold="auto", copy_seconds=lambda: 1.0, host_seconds=lambda t: 0.4,
+                                                    link_busy=lambda: 0.0),
+                            cache=SimpleNamespace(lru=book), reuse=reuse)
+    assert experts.LayerRuntime._cold(layer, [5], {5: [0]}) == [5]
+    assert seen["victims"] == [reuse.reuse(0)] and reuse.reuse(0) < reuse.reuse(1)

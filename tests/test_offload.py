@@ -9,6 +9,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import specfit
 from specfit.offload.lru import LRUSlots
+from specfit.offload.policies import make_policy
+from specfit.offload.slots import SlotBook
 from specfit.offload.routes import pack, unpack
 
 E, K, LAYERS = 16, 4, 4
@@ -55,23 +57,28 @@ def test_union_exceeds_slots_streams_and_stays_exact():
     assert c.misses == c.demand == int(union.sum())  # cold cache: every expert is copied once
 
 
-def test_counters_match_independent_lru_count():
+@pytest.mark.parametrize("policy", ["lru", "forecast"])
+def test_counters_match_independent_replay(policy):
+    """The runtime's counters equal the router's routes replayed through one slot book per layer (the policy given
+    each forward's tokens per expert, as the experts function passes them)."""
     model = tiny_moe()
     g = torch.Generator().manual_seed(1)
     inputs = [torch.randint(0, 256, (1, n), generator=g) for n in (5, 1, 1, 3, 1, 9, 1, 1)]
     routes = [router_topk(model, ids) for ids in inputs]
-    specfit.enable(model, cache_slots=5)
+    specfit.enable(model, cache_slots=5, cache_policy=policy)
     stats = model.specfit.stats
     for ids, r in zip(inputs, routes):
         logits(model, ids)
         assert torch.equal(model.specfit.routes.last, r)  # recorded routes are the router's top-k
-    reference = [LRUSlots(5, E) for _ in range(LAYERS)]
+    reference = [LRUSlots(5, E) if policy == "lru" else SlotBook(5, E, make_policy(policy, E)) for _ in range(LAYERS)]
     demand = misses = 0
     for r in routes:
         for layer in range(LAYERS):
-            needed = r[:, layer].any(0).nonzero().flatten().tolist()
+            counts = r[:, layer].sum(0)
+            needed = counts.nonzero().flatten().tolist()
+            uses = [int(counts[e]) for e in needed] if len(r) > 1 else None
             demand += len(needed)
-            misses += reference[layer].plan(needed).misses
+            misses += reference[layer].plan(needed, uses=uses).misses
     assert (stats.total.demand, stats.total.misses, stats.total.forwards) == (demand, misses, len(inputs))
     assert stats.total.hits == demand - misses
     assert stats.total.bytes_copied == misses * model.specfit.store.expert_bytes

@@ -24,7 +24,7 @@ from .decoding.options import DecodingOptions
 from .decoding.strategy import install_generation_strategy, remove_generation_strategy
 from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
-from .offload import checkpoint, moves
+from .offload import checkpoint, moves, policies
 from .offload.config import OffloadConfig
 from .offload.cold import check_cold
 from .offload.experts import ATTR, COMPILE_REASON, specfit_experts_forward
@@ -42,14 +42,17 @@ from .selection.route_sources import choose_route_source
 
 
 def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str = "cached",
-           link: LinkConfig | float | None = None, cold: str | None = None, host: HostConfig | float | None = None,
-           pin: bool | str = "auto", device=None, drafter=None, store: ExpertStore | None = None,
-           **decoding) -> nn.Module:
+           cache_policy: str = policies.DEFAULT, link: LinkConfig | float | None = None, cold: str | None = None,
+           host: HostConfig | float | None = None, pin: bool | str = "auto", device=None, drafter=None,
+           store: ExpertStore | None = None, **decoding) -> nn.Module:
     """Offload ``model``'s routed experts to host memory with ``cache_slots`` device slots per MoE layer.
 
     Args:
         cache_slots: expert slots per layer on the compute device, 1..num_experts (the paper: 48, 24 or 12 of 128).
-        cache_mode: ``"cached"`` (LRU across forwards) or ``"cleared"`` (slots emptied before every forward).
+        cache_mode: ``"cached"`` (slots kept across forwards) or ``"cleared"`` (emptied before every forward).
+        cache_policy: which resident expert a load evicts (``offload/policies.py``): ``"forecast"`` (the default:
+            decayed frequency, plus the drafted tree's predicted routes where SpecFit drafts one), ``"frequency"``
+            (decayed frequency alone), ``"frequency-age"`` (frequency over age) or ``"lru"``.
         link: an emulated host link for CPU studies: a ``LinkConfig`` or seconds per expert copy.
         cold: where experts that miss the slot cache are computed: ``"copy"`` (copied into a slot, then computed on
             the device), ``"host"`` (computed on the host CPU from host memory), ``"auto"`` (per expert, by
@@ -77,7 +80,8 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
     _check_link_device(link, device)
     cold = _cold_mode(cold, host, device, store.format if store is not None else None)
-    config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin, cold=cold, host=host)
+    config = OffloadConfig(cache_slots=cache_slots, cache_mode=cache_mode, link=link, pin=pin, cold=cold, host=host,
+                           cache_policy=cache_policy)
     _check_weights_in_memory(model)
 
     # disable() gives the experts back as parameters where they were; a model built by from_pretrained never had
@@ -226,7 +230,8 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
         device_map: as in transformers, for the weights that are not routed experts, which SpecFit keeps on one
             device: ``"auto"`` (the default device), one device (``"cuda:1"``, ``0``, ``"cpu"``) or a dict mapping
             every module to the same device. Maps over several devices, and disk offload, are refused.
-        **enable_kwargs: passed to ``specfit.enable`` (``drafter``, ``link``, ``cache_mode``, decoding options...).
+        **enable_kwargs: passed to ``specfit.enable`` (``drafter``, ``link``, ``cache_mode``, ``cache_policy``,
+            decoding options...).
     """
     _check_keywords(enable_kwargs, FROM_PRETRAINED_KEYWORDS, "specfit.from_pretrained", named=from_pretrained)
     device = _device_of_map(device_map, device)
@@ -238,7 +243,7 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
     _check_link_device(link, device)
     cold = _cold_mode(enable_kwargs.get("cold"), host, device, None)  # the stored format is checked at enable
     OffloadConfig(cache_slots=cache_slots, cache_mode=enable_kwargs.get("cache_mode", "cached"), link=link, pin=pin,
-                  cold=cold, host=host)
+                  cold=cold, host=host, cache_policy=enable_kwargs.get("cache_policy", policies.DEFAULT))
 
     def check(skeleton):  # the model without weights, before the checkpoint's shards are read
         _check_slots(cache_slots, hf_layers.moe_layers(skeleton)[0].num_experts)
@@ -251,8 +256,8 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
 # --- checks of what enable / configure / from_pretrained are given ----------------------------------------------
 OPTION_NAMES = tuple(f.name for f in fields(DecodingOptions))  # new options pass the keyword check by themselves
 DECODING_KEYWORDS = OPTION_NAMES + ("cost_model", "route_predictor")  # enable's **decoding
-FROM_PRETRAINED_KEYWORDS = DECODING_KEYWORDS + ("cache_mode", "link", "cold", "host", "drafter")
-ENABLE_ONLY = ("cache_slots", "cache_mode", "link", "cold", "host", "pin", "device", "store", "drafter",
+FROM_PRETRAINED_KEYWORDS = DECODING_KEYWORDS + ("cache_mode", "cache_policy", "link", "cold", "host", "drafter")
+ENABLE_ONLY = ("cache_slots", "cache_mode", "cache_policy", "link", "cold", "host", "pin", "device", "store", "drafter",
                "route_predictor")
 
 

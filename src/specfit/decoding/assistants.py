@@ -207,6 +207,7 @@ class SpecFitGenerator(Eagle3Generator):
             if not takes_from_level(self.winner, tree.depths, tree.depth):
                 break
         self.levels = tree.depth
+        self.runtime.expect_tree(values, node_routes)  # the pool: a forecast for the slot caches (offload/policies.py)
         root_demand = int(root_routes.sum())
         self._root = (root_demand, root_demand if resident is None else int((root_routes & ~resident).sum()))
         self.backoff.record(paid=self._paid())

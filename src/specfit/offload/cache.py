@@ -1,6 +1,7 @@
-"""Device side of the offload: per MoE layer, N expert slots with LRU eviction, and the copies that fill them.
+"""Device side of the offload: per MoE layer, N expert slots with a replacement policy, and the copies that fill them.
 
-Bookkeeping (which expert sits in which slot) is ``lru.LRUSlots``; this file only moves bytes and counts them.
+Bookkeeping (which expert sits in which slot, and which one a load evicts) is ``slots.SlotBook`` with a policy of
+``policies.py``; this file only moves bytes and counts them.
 ``LayerCache.fetch`` is a generator: it yields resident experts first, then each loaded expert as its copy lands,
 then experts streamed through a two-buffer scratch ring when the layer needs more experts than it has slots.
 
@@ -31,7 +32,8 @@ import torch
 from ..stats.counters import Counters
 from ..transfer import host_wait
 from .link import EmulatedLink
-from .lru import FetchPlan, LRUSlots
+from .policies import make_policy
+from .slots import FetchPlan, SlotBook
 from .store import ExpertStore
 
 
@@ -262,9 +264,11 @@ class Fetch:
 
 
 class LayerCache:
-    def __init__(self, store: ExpertStore, layer: int, num_slots: int, engine: CopyEngine):
+    def __init__(self, store: ExpertStore, layer: int, num_slots: int, engine: CopyEngine, policy: str = "lru"):
         self.store, self.layer, self.engine = store, layer, engine
-        self.lru = LRUSlots(num_slots, store.num_experts)
+        # the slot bookkeeping (named for its first policy; ``policy`` names any of policies.py, the runtime passes
+        # OffloadConfig.cache_policy)
+        self.lru = SlotBook(num_slots, store.num_experts, make_policy(policy, store.num_experts))
         self.pinned = store.layer_pinned(layer)
         device, dtype = engine.device, store.dtype
         self.slots = torch.empty(num_slots, store.expert_numel, dtype=dtype, device=device)  # [N, 3IH]
@@ -287,8 +291,8 @@ class LayerCache:
         self._prefetched.clear()
 
     def prefetch(self, experts: list[int], counters: Counters) -> None:
-        """Copy the non-resident ``experts`` into slots now (LRU eviction; none are streamed) without waiting, on
-        the prefetch stream."""
+        """Copy the non-resident ``experts`` into slots now (evicting as the policy says; none are streamed: those
+        it would not give a slot are not copied) without waiting, on the prefetch stream."""
         plan = self.lru.plan(experts, confirmed=False)
         if not plan.loads:
             return
@@ -303,7 +307,7 @@ class LayerCache:
         counters.prefetch_bytes += counters.bytes_copied - before
         counters.prefetch_copies += len(plan.loads)
 
-    def start(self, needed: list[int], counters: Counters, host: int = 0) -> Fetch:
+    def start(self, needed: list[int], counters: Counters, host: int = 0, uses: list[int] | None = None) -> Fetch:
         """Plan one forward's experts for this layer, count them, and start their copies: the loads, and the first
         two streamed experts (into the scratch ring) right behind them, so the link never idles while the hits
         compute. A load into a slot that a prefetch is still filling goes last, in its own batch, after that
@@ -311,8 +315,9 @@ class LayerCache:
         group, so it delays no other load's compute. (It may delay a later layer's copies on the FIFO demand stream
         only in principle: the next layer's routes reach the host after this layer's compute, the late load's
         included, has run.) ``needed``: the experts computed on the device; ``host``: how many more the layer
-        computes on the host lane this forward (counted here, in demand; they take no slot)."""
-        plan = self.lru.plan(needed, confirmed=False)
+        computes on the host lane this forward (counted here, in demand; they take no slot); ``uses``: the tokens
+        routed to each needed expert (None: one each), for the cache policy."""
+        plan = self.lru.plan(needed, confirmed=False, uses=uses)
         with self._undo_on_failure(plan):
             if self._prefetched:  # wasted: prefetched, but not a hit of this forward (unneeded, or evicted meanwhile)
                 counters.prefetch_wasted += len(self._prefetched - {e for e, _ in plan.hits})

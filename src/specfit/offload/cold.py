@@ -20,8 +20,8 @@ expert to the link when what it costs *now* is no more than what it is worth *la
   expert priced at the cheaper of a copy and a host expert; the expert it evicts loses the same. Worth
   ``(reuse(e) - reuse(victim)) x that price``, where ``reuse`` is the expected uses in the next ``HORIZON``
   forwards (``ReuseEstimate``: a per-layer use frequency decayed per forward; the victim a free slot, reuse 0, else
-  the least recently used resident this forward does not use). A cold expert beyond the free and evictable slots
-  would be streamed: worth nothing later.
+  the resident the slot cache's policy would evict for it, ``policies.py``). A cold expert beyond the free and
+  evictable slots would be streamed: worth nothing later.
 
 No torch here: plain numbers and lists, testable in milliseconds. ``reuse`` is one small function on one small
 class, so a cache policy that forecasts next use can replace it.

@@ -1,5 +1,5 @@
-"""How a model is offloaded: slots per layer, cache mode, emulated link, where cold experts are computed, emulated host
-lane, pinning. No torch here."""
+"""How a model is offloaded: slots per layer, cache mode and policy, emulated link, where cold experts are computed,
+emulated host lane, pinning. No torch here."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from .cold import check_cold
 from .host_lane import HostConfig
 from .link import LinkConfig
+from .policies import DEFAULT, check_policy
 
 CACHE_MODES = ("cached", "cleared")
 
@@ -22,6 +23,7 @@ class OffloadConfig:
     # by predicted time; offload/cold.py). enable() defaults it to "auto" where a host lane exists, else "copy"
     cold: str = "copy"
     host: HostConfig | None = None  # emulated host lane (CPU studies); None = the real host (CUDA) or none (CPU)
+    cache_policy: str = DEFAULT  # which expert a load evicts (offload/policies.py)
 
     def __post_init__(self):
         if self.cache_mode not in CACHE_MODES:
@@ -31,3 +33,4 @@ class OffloadConfig:
         check_cold(self.cold)
         if self.host is not None and not isinstance(self.host, HostConfig):
             raise ValueError(f"host must be a HostConfig or None, got {self.host!r}")
+        check_policy(self.cache_policy)

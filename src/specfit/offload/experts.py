@@ -70,7 +70,8 @@ class LayerRuntime:
             self.reuse.observe(needed)
             on_host = set(host)
             device = [e for e in needed if e not in on_host]
-            fetch = self.cache.start(device, rt.forward_counters, host=len(host))
+            uses = [len(rows[e]) for e in device] if num_tokens > 1 else None  # tokens per expert, for the policy
+            fetch = self.cache.start(device, rt.forward_counters, host=len(host), uses=uses)
         groups = [("untracked", needed, None)] if fetch is None else fetch.groups
         grouped = rt.grouped_experts and fetch is not None
         gathered = gathered_path(hidden_states.device)
@@ -159,14 +160,12 @@ class LayerRuntime:
         cold = [e for e in needed if lru.slot_of(e) is None]
         if not cold or rt.cold != "auto":
             return cold if rt.cold == "host" else []
-        resident = lru.resident  # expert -> slot, least recently used first: the order loads evict in
-        used = set(needed)
-        victims = [0.0] * (lru.num_slots - len(resident))  # free slots first, then the LRU residents not used now
-        for v in resident:
-            if len(victims) >= len(cold):
-                break
-            if v not in used:
-                victims.append(self.reuse.reuse(v))
+        resident = lru.resident  # expert -> slot, least recently used first
+        free = lru.num_slots - len(resident)
+        victims = [0.0] * free  # free slots first, then the residents the cache policy would evict for the rest
+        if len(cold) > free:
+            victims += [self.reuse.reuse(v) for v in lru.policy.victims(resident, set(needed), cold[free:])
+                        if v is not None]  # None: no evictable slot, the copy is streamed and keeps nothing
         return choose_host(cold, {e: len(rows[e]) for e in cold}, rt.copy_seconds(), rt.host_seconds,
                            self.reuse.reuse, victims, rt.link_busy())
 

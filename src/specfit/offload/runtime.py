@@ -20,6 +20,7 @@ from .experts import LayerRuntime, choose_experts_path
 from .host_compute import ROWS_WITH_ROUTES, InlineLane, ThreadedLane, measure_lane
 from .host_lane import EmulatedHostLane
 from .link import EmulatedLink
+from .policies import tree_forecast
 from .routes import RouteRecorder
 from .store import ExpertStore
 
@@ -37,8 +38,8 @@ class SpecFitRuntime:
         # generate() scopes wait for queued work before reading clocks and counters (a CPU run only reports the wait
         # to the sync counters: specfit.transfer.host_wait)
         self.stats.settle = self.engine.drain
-        self.layers = [LayerRuntime(self, i, LayerCache(store, i, config.cache_slots, self.engine))
-                       for i in range(num_layers)]
+        self.layers = [LayerRuntime(self, i, LayerCache(store, i, config.cache_slots, self.engine,
+                                                        config.cache_policy)) for i in range(num_layers)]
         self.staging = Staging(self.device)  # index lists reach the device without a host sync
         # experts grouped over all slots where the device can (CUDA, bf16): no per-layer copy of gathered weights
         self.grouped_experts = store.rows_are_weights and choose_experts_path(self.device, store.dtype, store.layout)
@@ -163,6 +164,16 @@ class SpecFitRuntime:
         for layer, row in zip(self.layers, experts):
             layer.cache.prefetch([int(e) for e in row.nonzero()[0]], self.stats.total)
 
+    def expect_tree(self, weights, node_routes) -> None:
+        """A drafted pool as the slot caches' forecast for the next forward (a policy that reads one, e.g.
+        ``"forecast"``): per layer and expert, the pool's tokens expected to route there, ``weights`` (each node's
+        path value) over ``node_routes`` (bool [nodes, layers, experts]). Does nothing for a policy that ignores
+        forecasts."""
+        if not self.layers or not self.layers[0].cache.lru.policy.reads_forecasts or not len(weights):
+            return
+        for layer, row in zip(self.layers, tree_forecast(weights, node_routes)):
+            layer.cache.lru.expect(row)
+
     def clear_cache(self) -> None:
         """Empty every slot of every layer (prefetched experts no forward used count as wasted)."""
         for layer in self.layers:
@@ -225,7 +236,8 @@ class SpecFitRuntime:
 
     def __repr__(self) -> str:
         return (f"SpecFitRuntime(moe_layers={len(self.layers)}, experts={self.num_experts}, "
-                f"slots={self.config.cache_slots}, cache_mode={self.config.cache_mode!r}, link={self.link_label!r}, "
+                f"slots={self.config.cache_slots}, cache_mode={self.config.cache_mode!r}, "
+                f"cache_policy={self.config.cache_policy!r}, link={self.link_label!r}, "
                 f"cold={self.cold!r}, host={self.host_label!r}, "
                 f"device={self.device}, pinned_bytes={self.store.pinned_bytes}, "
                 f"weight_bytes={self.store.weight_bytes}, pageable_copies={self.stats.total.pageable_copies})")
