@@ -214,5 +214,5 @@ def test_specfit_bench_as_the_readme_prints_it(user_cache, tmp_path, capsys):
     assert code == 0, err[-2000:]
     result = json.loads((out_dir / "results.json").read_text())
     assert sorted(r["method"] for r in result["rows"]) == ["ar", "specfit"]
-    assert all(r["regime"] == "emulated link" and r["slots"] == "12" for r in result["rows"])
-    assert "[gsm8k] slots 12 of 64, emulated link (CPU, emulated)" in out
+    assert all(r["regime"] == "emulated link + host lane" and r["slots"] == "12" for r in result["rows"])  # the default lane
+    assert "[gsm8k] slots 12 of 64, emulated link + host lane (CPU, emulated)" in out

@@ -17,6 +17,7 @@ from specfit.offload import bandwidth
 from specfit.offload.link import LinkConfig
 from specfit.selection import profiles
 from specfit.selection.cost_model import CostModel
+from specfit.offload.runtime import SpecFitRuntime
 
 EXPERT = 3 * 32 * 64 * 2  # bytes of one bf16 expert of the tiny model's shape
 
@@ -90,7 +91,9 @@ def test_cudas_link_time_is_one_experts_bytes_over_the_bandwidth(monkeypatch):
     store = model.specfit.store
     cuda = FakeCuda(rate=2e9)
     monkeypatch.setattr(bandwidth, "torch", types.SimpleNamespace(cuda=cuda, empty_like=cuda.empty_like))
-    runtime = types.SimpleNamespace(store=store, device=torch.device("cuda"), config=types.SimpleNamespace(link=None))
+    runtime = types.SimpleNamespace(store=store, device=torch.device("cuda"), config=types.SimpleNamespace(link=None),
+                                    engine=types.SimpleNamespace(link=None))
+    runtime.copy_seconds = types.MethodType(SpecFitRuntime.copy_seconds, runtime)
     assert profiles.link_seconds(runtime) == pytest.approx(store.expert_bytes / 2e9)  # through copy_seconds
     assert bandwidth.copy_seconds(runtime) is runtime._link_copy_seconds  # measured once per runtime
 
