@@ -4,6 +4,7 @@ EAGLE-3's tree verified on alternate cycles, against what both really committed 
 
     python benchmarks/counterfactual.py --cells gsm8k:12 cnn:12 gsm8k:24 cnn:24 gsm8k:64:0 gsm8k:12:1.4:sample \
         --prompts 4 --tokens 48 --out DIR
+    python benchmarks/counterfactual.py --cells gsm8k:12 cnn:12 --host-ratio 2.5    # with the default host lane
 
 A cell is ``workload:slots[:link ratio[:sample]]``: the link ratio is the emulated link as a multiple of the
 structural default's demand-to-compute ratio, 1.4 (0: no link); ``sample`` decodes with temperature 0.7, top-p 0.8,
@@ -41,13 +42,14 @@ def held_out(workload: str, n: int, offset: int) -> list[str]:
     return datasets.prompts(workload, offset + n, max_chars=1500)[offset:]
 
 
-def run_cell(cell: dict, n: int, tokens: int, offset: int, seed: int) -> dict:
+def run_cell(cell: dict, n: int, tokens: int, offset: int, seed: int, host_ratio: float = 0.0) -> dict:
     from specfit import embedded
     from specfit.evaluation.counterfactual import Counterfactual, join, report, summarize
 
     link = embedded.default_link(cell["ratio"] / embedded.DEMAND_TO_COMPUTE) if cell["ratio"] > 0 else None
-    model, tokenizer = embedded.load(cell["slots"], link=link)
-    eagle, _ = embedded.load(cell["slots"], link=link)  # EAGLE-3 itself, on the same prompts: its own drafting
+    host = embedded.default_host(host_ratio, link) if host_ratio > 0 and link is not None else None
+    model, tokenizer = embedded.load(cell["slots"], link=link, host=host)
+    eagle, _ = embedded.load(cell["slots"], link=link, host=host)  # EAGLE-3 itself, same prompts: its own drafting
     prompts = held_out(cell["workload"], n + 1, offset)
     kwargs = dict(SAMPLING) if cell["sample"] else dict(do_sample=False)
     rows: list[dict] = []
@@ -74,7 +76,8 @@ def run_cell(cell: dict, n: int, tokens: int, offset: int, seed: int) -> dict:
                                     tok_s=sum(r.committed for r in own) / sum(r.seconds for r in own))
     e = summary["eagle3_itself"]
     print(report(f"{cell['name']} ({n} prompts x {tokens} tokens, {time.perf_counter() - t0:.0f} s; link "
-                 f"{'none' if link is None else f'{embedded.link_seconds_per_expert(link) * 1e3:.3f} ms/copy'})",
+                 f"{'none' if link is None else f'{embedded.link_seconds_per_expert(link) * 1e3:.3f} ms/copy'}"
+                 f"{'' if host is None else f'; {host.label}'})",
                  summary) + f"\n  EAGLE-3 itself (its own drafting, same prompts, its own model): drafting "
                             f"{e['draft_ms']:.1f} ms/cycle, {e['ms_per_cycle']:.1f} ms/cycle, tokens/cycle "
                             f"{e['tokens_per_cycle']:.2f}, tok/s {e['tok_s']:.2f}", flush=True)
@@ -100,10 +103,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--offset", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-ratio", type=float, default=0.0,
+                   help="cold experts on the structural default host lane at RATIO x the link (0: copies only)")
     p.add_argument("--out", default="benchmarks/results/counterfactual")
     args = p.parse_args()
     torch.set_num_threads(1)
-    results = [run_cell(parse_cell(c), args.prompts, args.tokens, args.offset, args.seed) for c in args.cells]
+    results = [run_cell(parse_cell(c), args.prompts, args.tokens, args.offset, args.seed, args.host_ratio)
+               for c in args.cells]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "counterfactual.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
