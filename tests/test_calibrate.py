@@ -274,8 +274,7 @@ def test_enable_warns_when_it_loads_a_poor_or_unassessed_profile(tmp_path, monke
         assert resolve_cost_model(model).quality["verdict"] == "poor"
     old = {"format": "specfit-cost-model", "version": 1, "units": "seconds", "intercepts": [0.006, 0.003],
            "beta": 2.9e-4, "slots": 4, "cache_mode": "cached"}
-    path.write_text(json.dumps(old))
-    model.specfit.cost_model = None  # resolve_cost_model kept the profile it found; look again
+    path.write_text(json.dumps(old))  # a new profile in its place: the next lookup uses it
     with pytest.warns(RuntimeWarning, match=r"never checked for fit quality \(a version-1 profile.*intercepts fall"):
         assert resolve_cost_model(model).intercepts == (0.006, 0.003)
 

@@ -23,7 +23,7 @@ import specfit
 from specfit import cli, embedded
 from specfit.evaluation import datasets
 from specfit.selection.profile_files import profile_path
-from specfit.selection.profiles import calibrate_command, profile_key
+from specfit.selection.profiles import calibrate_command, profile_key, profile_source
 
 needs_embedded = pytest.mark.skipif(not embedded.available(), reason="the embedded model is not installed")
 needs_data = pytest.mark.skipif(
@@ -84,6 +84,8 @@ def check_installed(code, out, err, command, model, tokenizer=None, ids=None) ->
     verdict = re.search(r"^verdict     (GOOD|POOR)$", out, re.M).group(1)
     messages = profile_warnings(model, tokenizer, ids)
     assert not any("no calibrated cost profile" in m or "reference cost profile" in m for m in messages), messages
+    # the same model object, which looked up a profile before the command ran, now prices with the one installed
+    assert profile_source(model).startswith("this machine's"), profile_source(model)
     if verdict == "GOOD":
         assert messages == [] and "installed anyway" not in err
     else:

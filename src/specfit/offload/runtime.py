@@ -67,6 +67,7 @@ class SpecFitRuntime:
         self.cost_refresh = None  # SpecFit's online cost-model refresh, kept across calls (selection/cost_refresh.py)
         self.guard = None  # (options, SpecFit's dominance guard), kept across calls (decoding/guard.py)
         self.cost_source = None  # (cost model, where it came from): set where a profile is found (profiles.py)
+        self.profile_read = None  # ((path, mtime, size), the profile read there): profiles.py reads a file once
         # SpecFit's acceptance model (selection/acceptance_model.py): the drafter's tables (set with the drafter;
         # None: the default prior), the online models learned from them per decoding mode (kept across generate()
         # calls), and, when set to a list, a log of (depth, rank, q, estimate, label) per labelled child

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import platform
 import warnings
+from functools import lru_cache
 from importlib.resources import as_file, files
 from pathlib import Path
 
@@ -117,9 +118,8 @@ def resolve_cost_model(model) -> CostModel:
     the profile's demand-only fit."""
     runtime = model.specfit
     options = runtime.options
-    found = find_profile(model)
+    found = find_profile(model)  # looked up at every call: a profile calibrated meanwhile is used from the next one
     if found is not None:
-        runtime.cost_model = found
         return price(model, found, options.cost if options is not None else "cache-aware")
     runtime.cost_source = (None, "none: the default cost model (no profile for this device and model)")
     key = profile_key(model)  # not stored: a profile calibrated later in this process is found next time
@@ -237,7 +237,7 @@ def find_profile(model):
     key = profile_key(model)
     path = profile_path(**key)
     if path.is_file():
-        found = CostModel.load(path)
+        found = _load_once(runtime, path)
         warn_if_unreliable(found, str(path), model)
         runtime.cost_source = (found, f"this machine's, calibrated {found.meta.get('date', '?')} ({path.name})")
         return found
@@ -251,6 +251,17 @@ def find_profile(model):
         runtime.cost_source = (reference, f"the reference profile shipped with specfit, measured on "
                                           f"{reference.meta.get('device')!r}")
     return reference
+
+
+def _load_once(runtime, path) -> CostModel:
+    """The profile at ``path``, read again only when the file changed since this runtime last read it (a new
+    calibration replaces it): generate() looks its profile up at every call without re-parsing it."""
+    info = path.stat()
+    stamp = (str(path), info.st_mtime_ns, info.st_size)
+    cached = getattr(runtime, "profile_read", None)
+    if cached is None or cached[0] != stamp:
+        cached = runtime.profile_read = (stamp, CostModel.load(path))
+    return cached[1]
 
 
 def profile_source(model) -> str | None:
@@ -278,7 +289,13 @@ def warn_if_unreliable(cost: CostModel, where: str, model=None) -> None:
 
 def reference_profile(key: dict):
     """A profile shipped in ``calibration/`` (package ``specfit.calibration``) for the same model (name and shape),
-    preferring one measured on this very device."""
+    preferring one measured on this very device. Read once per process: the package's files do not change."""
+    return _reference_profile(key["model_key"], key["device_name"])
+
+
+@lru_cache(maxsize=None)
+def _reference_profile(model_key: str, device_name: str):
+    key = dict(model_key=model_key, device_name=device_name)
     matches = []
     for entry in files("specfit.calibration").iterdir():
         if not entry.name.endswith(".json"):
