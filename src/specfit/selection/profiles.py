@@ -258,7 +258,7 @@ def _load_once(runtime, path) -> CostModel:
     calibration replaces it): generate() looks its profile up at every call without re-parsing it."""
     info = path.stat()
     stamp = (str(path), info.st_mtime_ns, info.st_size)
-    cached = getattr(runtime, "profile_read", None)
+    cached = runtime.profile_read
     if cached is None or cached[0] != stamp:
         cached = runtime.profile_read = (stamp, CostModel.load(path))
     return cached[1]
@@ -295,15 +295,14 @@ def reference_profile(key: dict):
 
 @lru_cache(maxsize=None)
 def _reference_profile(model_key: str, device_name: str):
-    key = dict(model_key=model_key, device_name=device_name)
     matches = []
     for entry in files("specfit.calibration").iterdir():
         if not entry.name.endswith(".json"):
             continue
         data = json.loads(entry.read_text())
-        if data.get("format") != FORMAT or data.get("model_key") != key["model_key"]:
+        if data.get("format") != FORMAT or data.get("model_key") != model_key:
             continue
-        matches.append((data.get("device") != key["device_name"], entry.name, entry))
+        matches.append((data.get("device") != device_name, entry.name, entry))
     if not matches:
         return None
     with as_file(min(matches)[2]) as path:
