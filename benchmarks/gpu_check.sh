@@ -118,7 +118,8 @@ export MIN_H2D_GBPS=${MIN_H2D_GBPS:-20}
 FP8_BLOCK=${FP8_BLOCK:-128}
 SITE="$WORK/site"
 # seconds per stage. pytest: the CUDA tests took 40-80 s by review 4's estimate; calibrate: load and pin 6 real
-# layers, ~200 probe cycles, the fit, bootstrap (30-45 s estimated on the device; no plot)
+# layers, ~280 probe cycles (a link round and a host-lane round after the planning round), the fit, bootstrap (35-55 s
+# estimated on the device; no plot)
 declare -A BUDGET=([env]=30 [pytest]=100 [bandwidth]=25 [host-experts]=30 [checkpoint]=45 [calibrate]=70 [decode]=60
                    [fp8]=90)
 RESERVE=10  # seconds kept for cleanup and the summary
@@ -383,10 +384,13 @@ stage_checkpoint() {
 }
 
 calibrate_cmd() {  # -> CMD
-    # --force: the fit's verdict is a figure here (print_fit), and decode gets the profile either way; 48 probes over
-    # 48 tokens: ~150 timed cycles on the device's single link
+    # --force: the fit's verdict is a figure here (print_fit), and decode gets the profile either way. On CUDA the
+    # rounds are 1 + repeats x (1 link + 1 host lane): with --repeats 1, 3 rounds of 2 prompts x ~47 cycles (a random
+    # drafter accepts ~nothing) = ~280 cycles, ~95 of them with every cold expert computed by the host lane (~6 layers
+    # x 32 experts per verify at ~0.3-0.5 ms each on 16 threads): 35-55 s with load, pinning and the fit (review 5;
+    # --repeats 2 made 470 cycles, 45-75 s against the 70 s limit)
     CMD=("$PY" -m specfit.cli calibrate --model "$WORK/ckpt" --drafter "$WORK/drafter" --slots "$SLOTS"
-         --cache-mode cached --prompts random --num-prompts 2 --probes 48 --max-new-tokens 48 --repeats 2
+         --cache-mode cached --prompts random --num-prompts 2 --probes 48 --max-new-tokens 48 --repeats 1
          --dtype bfloat16 --out "$OUTDIR/profile-cached.json" --plot none --force)
     read -r -a extra <<<"$CAL_ARGS"
     CMD+=("${extra[@]}")

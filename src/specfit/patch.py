@@ -24,7 +24,7 @@ from .decoding.options import DecodingOptions
 from .decoding.strategy import install_generation_strategy, remove_generation_strategy
 from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
-from .offload import checkpoint, moves, policies
+from .offload import checkpoint, moves, policies, standin
 from .offload.config import OffloadConfig
 from .offload.cold import check_cold
 from .offload.experts import ATTR, COMPILE_REASON, specfit_experts_forward
@@ -102,6 +102,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
 
     runtime = SpecFitRuntime(store, config, device)
     runtime.experts_module = first.experts  # the real host lane is timed on it
+    runtime.measure_once()  # CUDA: the link and the lane timed now, not inside the first forward
     for moe, layer_rt in zip(layers, runtime.layers):
         setattr(moe.experts, ATTR, layer_rt)
     previous_impl = hf_experts.experts_implementation(model)
@@ -329,7 +330,7 @@ def _cold_mode(cold, host: HostConfig | None, device: torch.device, fmt) -> str:
         raise ValueError("host= emulates a host lane for CPU studies; on CUDA the host CPU computes host experts "
                          "for real: leave it unset")
     hosted = fmt is None or getattr(fmt, "host_path", False)
-    lane = (host is not None or device.type == "cuda") and hosted
+    lane = (host is not None or device.type == "cuda" or standin.active(device)) and hosted
     if cold is None:
         return "auto" if lane else "copy"
     check_cold(cold)

@@ -53,7 +53,7 @@ class Staging:
 
     def __init__(self, device, cuda: CudaCopies | None = None):
         self.device = torch.device(device)
-        self.pinned = self.device.type == "cuda"
+        self.pinned = self.device.type == "cuda" or cuda is not None  # (a CPU "device" given doubles: the stand-in)
         self._buffers: list[torch.Tensor | None] = [None] * _RING  # pinned int64 [capacity]
         self._events: list = [None] * _RING  # CUDA events: the copy out of each buffer has run
         self._next = 0

@@ -207,7 +207,7 @@ def probe_links(model, link=None) -> list:
     only. On a CPU: no link, then ``link`` (the one given; else the model's own emulated link; else, for the embedded
     model, its structural default), so the link's share of a copy is measured apart from the copy's overhead."""
     runtime = model.specfit
-    if runtime.device.type == "cuda":
+    if runtime.cuda:
         return [None]
     link = link if link is not None else runtime.config.link
     if link is None:
@@ -228,7 +228,7 @@ def probe_lanes(model, host=None) -> list:
     runtime = model.specfit
     if not getattr(runtime.store.format, "host_path", False):
         return []  # a stored format the host lane cannot compute: always copied
-    if runtime.device.type == "cuda":
+    if runtime.cuda:
         return [True] if runtime.lane is not None else []
     host = host if host is not None else runtime.config.host
     if host is None:
@@ -406,7 +406,7 @@ def _link_seconds(runtime, link) -> float:
     """The link's own time for one expert copy: an emulated link's, the real one's on CUDA, 0 for a CPU memcpy."""
     if link is not None:
         return float(link.copy_time(runtime.store.expert_bytes))
-    if runtime.device.type == "cuda":
+    if runtime.cuda:
         return link_seconds(runtime)
     return 0.0
 

@@ -58,7 +58,7 @@ class LayerRuntime:
         rt.routes.record(self.index, top_k_index)
         lane = None if rt.untracked else rt.lane_for(num_tokens)  # None: every cold expert is copied
         # [T*k] the one planned host sync per layer; with a lane, the rows [T, H] on the host come with it
-        flat, x_host = routes_to_host(top_k_index, hidden_states, lane is not None)
+        flat, x_host = routes_to_host(top_k_index, hidden_states, lane is not None, rt.cuda)
         rows = rows_by_expert(flat)  # expert -> its (token, k) rows, on the host: no device bincount
         needed = sorted(rows)
         host = []

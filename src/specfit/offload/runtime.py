@@ -22,6 +22,7 @@ from .host_lane import EmulatedHostLane
 from .link import EmulatedLink
 from .policies import tree_forecast
 from .routes import RouteRecorder
+from .standin import for_device
 from .store import ExpertStore
 
 log = logging.getLogger("specfit")
@@ -31,16 +32,19 @@ class SpecFitRuntime:
     def __init__(self, store: ExpertStore, config: OffloadConfig, device: torch.device,
                  engine: CopyEngine | None = None):
         self.store, self.config, self.device = store, config, torch.device(device)
+        standin = for_device(self.device)  # the CPU stand-in's doubles for CUDA's calls (offload/standin.py), or None
+        self.cuda = self.device.type == "cuda" or standin is not None  # the CUDA flow: streams, staging, the real lane
         num_layers = len(store.arenas)
         self.stats = Stats()
         self.routes = RouteRecorder(num_layers, store.num_experts)
-        self.engine = engine or CopyEngine(self.device, EmulatedLink(config.link) if config.link else None)
+        self.engine = engine or CopyEngine(self.device, EmulatedLink(config.link) if config.link else None,
+                                           standin.streams if standin is not None else None)
         # generate() scopes wait for queued work before reading clocks and counters (a CPU run only reports the wait
         # to the sync counters: specfit.transfer.host_wait)
         self.stats.settle = self.engine.drain
         self.layers = [LayerRuntime(self, i, LayerCache(store, i, config.cache_slots, self.engine,
                                                         config.cache_policy)) for i in range(num_layers)]
-        self.staging = Staging(self.device)  # index lists reach the device without a host sync
+        self.staging = Staging(self.device, standin.copies if standin is not None else None)  # index lists reach the device without a host sync
         # experts grouped over all slots where the device can (CUDA, bf16): no per-layer copy of gathered weights
         self.grouped_experts = store.rows_are_weights and choose_experts_path(self.device, store.dtype, store.layout)
         self.forward_counters = Counters()
@@ -49,7 +53,7 @@ class SpecFitRuntime:
         self.cold = config.cold
         self.experts_module = None  # the first MoE layer's experts module (set by enable): the real lane is timed on it
         self.lane = InlineLane(EmulatedHostLane(config.host)) if config.host is not None else \
-            ThreadedLane(self.device) if self.device.type == "cuda" else None
+            ThreadedLane(self.device, standin.host_copies if standin is not None else None) if self.cuda else None
         # one call at a time on this model: the slot LRU, the counters, the route recorder, the drafter's features
         # and the pending assistant request are per model (reentrant: generate() holds it across its forwards)
         self.lock = threading.RLock()
@@ -110,7 +114,7 @@ class SpecFitRuntime:
         (the one in use), on CUDA the bytes over the measured pinned bandwidth, 0 for a CPU memcpy."""
         if self.engine.link is not None:
             return float(self.engine.link.config.copy_time(self.store.expert_bytes))
-        if self.device.type == "cuda":
+        if self.cuda:
             from .bandwidth import copy_seconds
 
             return copy_seconds(self)
@@ -125,6 +129,15 @@ class SpecFitRuntime:
             self._measure_lane()
         return self.lane.expert_seconds(self.store.expert_bytes, tokens)
 
+    def measure_once(self) -> None:
+        """On CUDA, called by enable(): the link's copy time and the real host lane measured once, here, outside any
+        forward (a forward then makes no probe copy and no extra sync; its counters hold only its own copies)."""
+        if not self.cuda:
+            return
+        self.copy_seconds()
+        if self.lane is not None and self.lane.real:
+            self.host_seconds()
+
     def link_busy(self) -> float:
         """Seconds of copies the emulated link still has queued (prefetches), 0 elsewhere."""
         return self.engine.link.busy() if self.engine.link is not None else 0.0
@@ -133,7 +146,7 @@ class SpecFitRuntime:
         """Time the real host lane on expert 0 of the first MoE layer, at 1 and 32 tokens (once per runtime)."""
         import numpy as np
 
-        from .experts import host_work, plan_group, rows_by_expert
+        from .experts import HOST_PATH, host_work, plan_group, rows_by_expert
 
         if self.experts_module is None:
             raise RuntimeError("the host lane is measured on the model's experts: enable() sets experts_module")
@@ -141,8 +154,7 @@ class SpecFitRuntime:
 
         def work(tokens):
             rows = rows_by_expert(np.zeros(tokens, dtype=np.int64))  # expert 0 <- rows 0..tokens-1
-            plan = plan_group(rows, 1, tokens, [0], None, False, 0)
-            return host_work(self.experts_module, self.store, 0, x, [[0]], [plan])
+            return host_work(self.experts_module, self.store, 0, x, plan_group(rows, 1, [0], None, HOST_PATH, 0))
 
         measure_lane(self.lane, work)
         log.info("specfit host lane: %.3f ms per expert at 1 token, %.1f us per extra token",

@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from ..seam import layers as hf_layers
+from . import standin
 from .formats import DenseFormat
 
 class CudaHostPinning:
@@ -57,7 +58,7 @@ class ExpertStore:
         stored in ``dtype``). ``self.dtype`` is what the arenas and device slots hold (uint8 rows for FP8)."""
         if pin not in (True, False, "auto"):
             raise ValueError(f"pin must be True, False or 'auto', got {pin!r}")
-        self._pinning = pinning or CudaHostPinning()
+        self._pinning = pinning or (standin.Pinning() if standin.enabled() else CudaHostPinning())
         self.layout = hf_layers.ExpertLayout(hidden, intermediate, bias)
         self.format = format or DenseFormat(self.layout, dtype, dtype)
         if self.format.layout != self.layout:
