@@ -184,7 +184,7 @@ def _info(args, rt, load_s: float, caught: list[str]) -> dict:
                 dtype=args.dtype, slots=args.slots, experts=rt.num_experts, moe_layers=len(rt.layers),
                 cache_mode=args.cache_mode, prompts=args.prompts, prompt_len=args.prompt_len,
                 new_tokens=args.new_tokens, load_seconds=load_s, pinned_bytes=rt.store.pinned_bytes,
-                expert_bytes=rt.store.weight_bytes, cuda=rt.device.type == "cuda", grouped=bool(rt.grouped_experts),
+                expert_bytes=rt.store.weight_bytes, cuda=rt.cuda, grouped=bool(rt.grouped_experts),
                 cost_model=None if not hasattr(cost, "beta") else dict(  # a path until SpecFit first resolves it
                     beta=cost.beta, intercepts=list(cost.intercepts), source=cost.meta.get("source", args.profile)),
                 warnings=sorted(set(caught)))
@@ -256,7 +256,7 @@ def pageable_failure(report: dict) -> str | None:
     """Why the copies were not all from pinned memory (None if they were)."""
     i = report["info"]
     if not i["cuda"]:
-        return "not a CUDA run: host memory is pinned only for CUDA copies"
+        return "not a CUDA run (nor the CUDA stand-in): host memory is pinned only for CUDA copies"
     pageable = {m: r["pageable_copies"] for m, r in report["results"].items() if r["pageable_copies"]}
     if i["pinned_bytes"] < i["expert_bytes"] or pageable:
         return (f"{i['pinned_bytes']:,} of {i['expert_bytes']:,} expert bytes pinned; copies from pageable memory: "

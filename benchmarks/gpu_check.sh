@@ -60,7 +60,10 @@
 # MIN_H2D_GBPS (20: the pinned rows' bandwidth floor; the paper's A100 over PCIe 4.0 reached 23.1 GB/s), LIMIT_SCALE
 # (stage limits x this; 2 with ALLOW_CPU=1). To exercise the plumbing on a CPU machine (one thread: several threads on
 # a busy 2-core machine made tiny decodes ~70x slower): OMP_NUM_THREADS=1 ALLOW_CPU=1 PRESET=tiny LAYERS=4 SLOTS=12
-# DECODE_PROMPTS=1 DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --part 2 DIR (FP8=1 FP8_BLOCK=16: the fp8 stage too)
+# DECODE_PROMPTS=1 DECODE_TOKENS=8 bash benchmarks/gpu_check.sh --part 2 DIR (FP8=1 FP8_BLOCK=16: the fp8 stage too).
+# STANDIN=1 with it: every CUDA-only branch of the runtime on the CPU stand-in (SPECFIT_CUDA_STANDIN=1: cold="auto",
+# the threaded host lane, copy streams and events, pinned staging, registered arenas; --require-pinned), under the
+# device's own limits x the measured speed factor (LIMIT_SCALE, printed; tests/test_gpu_check_standin.py)
 set -uo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
@@ -125,7 +128,8 @@ declare -A BUDGET=([env]=30 [pytest]=100 [bandwidth]=25 [host-experts]=30 [check
 RESERVE=10  # seconds kept for cleanup and the summary
 # a CPU plumbing run (ALLOW_CPU=1) on a shared machine is not the device: its stages get LIMIT_SCALE x their limits
 # (default 2 there, 1 elsewhere); the plan (--dry-run) is always the device's
-LIMIT_SCALE=${LIMIT_SCALE:-$([ "${ALLOW_CPU:-0}" = 1 ] && echo 2 || echo 1)}
+LIMIT_SCALE_GIVEN=${LIMIT_SCALE:-}
+LIMIT_SCALE=${LIMIT_SCALE:-$([ "${ALLOW_CPU:-0}" = 1 ] && [ "${STANDIN:-0}" != 1 ] && echo 2 || echo 1)}
 
 minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
 
@@ -146,7 +150,21 @@ estimate() {  # stages... -> seconds: the limits of those wanted (env always) pl
     done
     echo "$total"
 }
-TOTAL_BUDGET=${TOTAL_BUDGET:-$(($(estimate $PARTS) * LIMIT_SCALE))}
+# STANDIN=1 (with ALLOW_CPU=1): the CPU run takes the CUDA runtime's flow on the stand-in (src/specfit/offload/
+# standin.py), under the device's own stage limits scaled only by the measured CPU/GPU speed factor
+# (benchmarks/speed_factor.py: max(1, this CPU's decode cycle / the device's)), printed in the log and the summary
+SPEED_NOTE=""
+if [ "${STANDIN:-0}" = 1 ]; then
+    [ "${ALLOW_CPU:-0}" = 1 ] || { echo "gpu_check.sh: STANDIN=1 is a CPU run on the CUDA stand-in: set ALLOW_CPU=1" >&2; exit 2; }
+    export SPECFIT_CUDA_STANDIN=1
+    if [ "$DRY" != 1 ] && [ -z "${LIMIT_SCALE_GIVEN:-}" ]; then
+        SPEED_OUT=$(PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 "$PY" benchmarks/speed_factor.py 2>&1) \
+            || { echo "$SPEED_OUT" >&2; echo "gpu_check.sh: the speed factor could not be measured" >&2; exit 2; }
+        LIMIT_SCALE=$(tail -n 1 <<<"$SPEED_OUT") SPEED_NOTE=$(grep -m1 '^RESULT speed factor' <<<"$SPEED_OUT")
+    fi
+fi
+scaled() { awk -v b="$1" -v s="$LIMIT_SCALE" 'BEGIN { printf "%d", b * s + 0.999 }'; }  # seconds x LIMIT_SCALE
+TOTAL_BUDGET=${TOTAL_BUDGET:-$(scaled "$(estimate $PARTS)")}
 NAMES=() RESULTS=() SECONDS_USED=() WHY=()
 
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -166,7 +184,7 @@ why() {  # stage -> the first FAIL line its output printed, else its last line
 
 # run_stage NAME BUDGET CMD...: CMD under `timeout`, capped by what is left of TOTAL_BUDGET
 run_stage() {
-    local name=$1 budget=$(($2 * LIMIT_SCALE)); shift 2
+    local name=$1 budget; budget=$(scaled "$2"); shift 2
     local left=$((DEADLINE - $(date +%s) - RESERVE))
     local limit=$((budget < left ? budget : left))
     if [ "$limit" -lt 5 ]; then record "$name" SKIPPED 0 "the call's budget was spent"; return 1; fi
@@ -401,7 +419,8 @@ decode_cmd() {  # -> CMD
     if [ -f "$OUTDIR/profile-cached.json" ] || [ "$DRY" = 1 ]; then CMD+=(--profile "$OUTDIR/profile-cached.json"); fi
     CMD+=(--prompts "$DECODE_PROMPTS" --prompt-len 32 --new-tokens "$DECODE_TOKENS" --dtype bfloat16
           --json "$OUTDIR/decode.json" --reference)
-    if [ "${ALLOW_CPU:-0}" != 1 ]; then CMD+=(--require-pinned --require-grouped); fi
+    if [ "${ALLOW_CPU:-0}" != 1 ]; then CMD+=(--require-pinned --require-grouped)
+    elif [ "${STANDIN:-0}" = 1 ]; then CMD+=(--require-pinned); fi  # the stand-in registers the arenas as CUDA does
 }
 
 stage_fp8() {  # the synthetic checkpoint's FP8 twin (same random weights, quantized), decoded with the gate
@@ -515,6 +534,7 @@ main() {
     echo "settings: PRESET=$PRESET LAYERS=$LAYERS SLOTS=$SLOTS WORK=$WORK part=${PART:-both} TOTAL_BUDGET=${TOTAL_BUDGET}s" \
          "stages=$STAGES log=$LOG${LIMIT_SCALE:+ LIMIT_SCALE=$LIMIT_SCALE}"
     if [ "$DRY" = 1 ]; then plan; return; fi
+    if [ -n "$SPEED_NOTE" ]; then echo "$SPEED_NOTE" | tee "$TMPD/speed.out"; fi
     mkdir -p "$WORK" && touch "$WORK/.specfit-gpu-check"
     if stage_env 2>&1 | tee "$TMPD/env.out"; [ "${PIPESTATUS[0]}" -eq 0 ]; then
         record env PASS $(($(date +%s) - START))
