@@ -20,7 +20,7 @@
 # Stages, each under its own time limit (and all under the call's budget):
 #   env           package path without network: carried wheels from .whl/ (bash benchmarks/gpu_wheels.sh, run
 #                 beforehand where PyPI is reachable) + specfit; FAILS unless every package the run imports is there
-#                 (REQUIRED) and the torch found has what SpecFit calls (>= 2.6, a grouped matmul); versions
+#                 (REQUIRED) and the torch found has what SpecFit calls (>= 2.8, a grouped matmul); versions
 #                 (transformers >= 5.24), nvidia-smi. If it fails, only the bandwidth stage (torch alone) still runs
 #   pytest        SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py: FAILS unless tests ran and none skipped
 #   bandwidth     H2D time of one real-size expert (9,437,184 bytes, bf16) from an arena pinned by ExpertStore
@@ -244,11 +244,12 @@ if missing:
              f"is reachable (it fetches the wheels the image lacks) and carry .whl to this machine.")
 from packaging.version import Version
 base = Version(torch.__version__.split("+")[0])
-if base < Version("2.6"):
-    sys.exit(f"FAIL: torch {torch.__version__} is too old: SpecFit needs >= 2.6 (pyproject.toml)")
+if base < Version("2.8"):
+    sys.exit(f"FAIL: torch {torch.__version__} is too old: SpecFit needs >= 2.8 (pyproject.toml: "
+             f"torch.compiler.disable(reason=) at import)")
 if getattr(torch.nn.functional, "grouped_mm", None) is None and getattr(torch, "_grouped_mm", None) is None:
     sys.exit(f"FAIL: torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm (specfit/seam/experts.py)")
-print(f"torch {torch.__version__}: >= 2.6, grouped matmul as "
+print(f"torch {torch.__version__}: >= 2.8, grouped matmul as "
       f"{'F.grouped_mm' if getattr(torch.nn.functional, 'grouped_mm', None) else 'torch._grouped_mm'}"
       f"{'' if base.release[:2] == (2, 13) else ' (not the 2.13 the CPU tests run on: the image has its own)'}")
 if Version(transformers.__version__) < Version("5.24"):

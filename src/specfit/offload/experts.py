@@ -175,7 +175,7 @@ class LayerRuntime:
         (no gather into fresh pageable memory first)."""
         arena = self.runtime.store.arenas[self.index]
         device = self.cache.engine.device
-        if device.type == "cpu":
+        if not self.runtime.cuda:  # (the CUDA stand-in takes the CUDA path below)
             return arena.index_select(0, torch.as_tensor(needed))
         buf = torch.empty(len(needed), arena.shape[1], dtype=arena.dtype, device=device)
         for i, e in enumerate(needed):
@@ -295,8 +295,11 @@ class GroupPlan:
         return self.take, self.dest, self.slots or [], self.offsets or []
 
 
-# torch's CPU grouped matmul takes any dtype and alignment from 2.11 (2.9-2.10 want 16-byte aligned operands, 2.8 and
-# earlier have no CPU kernel: transformers' experts then loop one matmul per expert, which BUCKETS matches in fp32)
+# torch's CPU grouped matmul: from 2.11 any dtype and alignment, as transformers (5.24, integrations/moe.py,
+# _can_use_grouped_mm) states it: "on CPU with torch <= 2.10, the kernel requires 16 bytes alignment" of the operands'
+# data pointers, "with torch <= 2.8 ... no CPU kernel at all" (it then loops one matmul per expert, which BUCKETS
+# matches in fp32). Review 5 read a transformers PR table placing the fix in 2.13; the shipped check says 2.11, and the
+# GPU check's host-lane operands (arena rows of 16-byte multiples, fresh index_select outputs) are aligned either way
 _CPU_GROUPED_MM = TorchVersion(torch.__version__) >= (2, 11)
 
 

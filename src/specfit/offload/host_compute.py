@@ -15,7 +15,9 @@ joining it).
   (a wait on host work, not a device sync) and sends the outputs to the device in one non-blocking copy from pinned
   memory, queued on the compute stream before the reads of them. The rows reach the host with the routes, in the
   layer's one planned sync (``experts.routes_to_host``): no host sync is added per layer. Its CUDA calls are in one
-  small seam (``HostCopies``) that a CPU test double stands in for. **Not yet run on a GPU.**
+  small seam (``HostCopies``) that a CPU test double stands in for. Measured once, at ``enable``
+  (``runtime.measure_once``), outside any forward. **Not yet run on a GPU**; on a CPU, CI runs it (its measurement
+  too) through the CUDA stand-in (``standin.py``).
 """
 
 from __future__ import annotations

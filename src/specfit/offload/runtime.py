@@ -122,7 +122,8 @@ class SpecFitRuntime:
 
     def host_seconds(self, tokens: int = 1) -> float | None:
         """The host lane's own time for one expert with ``tokens`` routed to it (an emulated lane's set time; on
-        CUDA measured once, at 1 and 32 tokens, on the first expert); None without a lane."""
+        CUDA measured once, at 1 and 32 tokens, on the first expert, by ``measure_once`` at enable); None without a
+        lane."""
         if self.lane is None:
             return None
         if self.lane.real and self.lane.measured is None:
