@@ -145,7 +145,7 @@ def test_logits_equal_reference_at_every_slot_count(slots):
         cpu_ref = cpu_model(ids).logits
     model = cuda_model()
     cuda_ref = cuda_logits(model, ids)
-    specfit.enable(model, cache_slots=slots)
+    specfit.enable(model, cache_slots=slots, cold="copy")  # the copy path (the lane: the test below)
     for _ in range(2):  # cold, then warm slots
         out = cuda_logits(model, ids)
         torch.testing.assert_close(out, cuda_ref, rtol=1e-4, atol=1e-4)
@@ -162,7 +162,7 @@ def test_decode_steps_match_with_small_cache():
     ids = clear_prompt(12, 16).cuda()
     reference = cuda_model()
     expected = reference.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    model = specfit.enable(cuda_model(), cache_slots=2)
+    model = specfit.enable(cuda_model(), cache_slots=2, cold="copy")
     assert torch.equal(model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False), expected)
     g = model.specfit.stats.last_generate
     assert g.new_tokens == 16 and g.misses > 0 and g.bytes_copied == g.misses * model.specfit.store.expert_bytes
@@ -214,7 +214,7 @@ def test_overwrite_waits_for_queued_compute():
 
 
 def test_forward_copies_every_miss_on_the_copy_stream_from_pinned_memory(monkeypatch):
-    model = specfit.enable(cuda_model(), cache_slots=3)
+    model = specfit.enable(cuda_model(), cache_slots=3, cold="copy")
     rt = model.specfit
     seen = []
     original = torch.Tensor.copy_
@@ -238,7 +238,7 @@ def test_forward_copies_every_miss_on_the_copy_stream_from_pinned_memory(monkeyp
 
 def test_one_host_sync_per_moe_layer(monkeypatch):
     """The routes' transfer to the host is the only sync of the experts function (a CUDA bincount would add two)."""
-    model = specfit.enable(cuda_model(), cache_slots=3)
+    model = specfit.enable(cuda_model(), cache_slots=3, cold="copy")
     original, syncs = LayerRuntime.forward, []
 
     def counted(self, *args):
@@ -259,10 +259,41 @@ def test_one_host_sync_per_moe_layer(monkeypatch):
     assert syncs == [1] * (2 * len(model.specfit.layers))
 
 
+def test_the_real_host_lane_computes_cold_experts_with_one_sync_per_layer(monkeypatch):
+    """cold="host" (review 5): every cold expert computed by the threaded lane on the host CPU, its rows brought
+    with the routes; the lane and the link were measured at enable (no probe in a forward); logits equal the
+    reference's and each MoE layer forward makes exactly one host sync."""
+    ids = clear_prompt(12, 1).cuda()
+    model = cuda_model()
+    expected = cuda_logits(model, ids)
+    specfit.enable(model, cache_slots=3, cold="host")
+    rt = model.specfit
+    assert rt.lane.real and rt.lane.measured is not None and rt._link_copy_seconds > 0
+    original, syncs = LayerRuntime.forward, []
+
+    def counted(self, *args):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = original(self, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        return out
+
+    monkeypatch.setattr(LayerRuntime, "forward", counted)
+    for _ in range(2):
+        torch.testing.assert_close(cuda_logits(model, ids), expected, rtol=1e-4, atol=1e-4)
+    assert syncs == [1] * (2 * len(rt.layers))
+    c = rt.stats.total
+    assert c.host_experts > 0 and c.misses == 0 and c.host_busy_seconds > 0
+
+
 def test_demand_misses_do_not_wait_for_queued_prefetches():
     """Prefetches for every layer are queued behind a stalled prefetch stream; a forward whose experts are all
     misses (none of them prefetched) must still complete."""
-    model = specfit.enable(cuda_model(), cache_slots=8)
+    model = specfit.enable(cuda_model(), cache_slots=8, cold="copy")
     rt = model.specfit
     ids = torch.randint(0, 256, (1, 1), generator=torch.Generator().manual_seed(3))
     expected = cuda_logits(model, ids)
@@ -287,7 +318,7 @@ def test_demand_misses_do_not_wait_for_queued_prefetches():
 
 
 def test_copy_time_is_counted_in_the_forward_that_made_the_copies():
-    model = specfit.enable(cuda_model(), cache_slots=E)
+    model = specfit.enable(cuda_model(), cache_slots=E, cold="copy")
     rt = model.specfit
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(5)).cuda()
     with torch.no_grad():
@@ -303,7 +334,7 @@ def test_copy_time_is_counted_in_the_forward_that_made_the_copies():
 
 
 def test_pageable_arenas_are_counted_on_every_copy():
-    model = specfit.enable(cuda_model(), cache_slots=3, pin=False)
+    model = specfit.enable(cuda_model(), cache_slots=3, pin=False, cold="copy")
     cuda_logits(model, torch.randint(0, 256, (1, 6)))
     c = model.specfit.stats.last_forward
     assert not model.specfit.store.is_pinned and c.pageable_copies == c.misses > 0
