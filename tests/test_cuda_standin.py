@@ -66,6 +66,10 @@ def test_an_unmeasured_threaded_lane_measures_itself(on):
     assert rt.lane.measured is None
     assert rt.host_seconds(1) > 0 and rt.host_seconds(32) >= rt.host_seconds(1)
     rt.lane.close()
+    assert rt.lane_for(64) is rt.lane and rt.lane_for(65) is None  # "auto": a prefill's rows stay on the device
+    rt.experts_module, rt.lane.measured = None, None
+    with pytest.raises(RuntimeError, match="enable\\(\\) sets experts_module"):
+        rt.host_seconds(1)
 
 
 @pytest.mark.parametrize("cold", ["auto", "host"])

@@ -20,13 +20,35 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import decode_check  # noqa: E402
 import synthetic_checkpoint as sc  # noqa: E402
 
-# a planted defect for a subprocess: every layer-1 load brings the next expert's weights (a wrong expert)
+# a planted defect: every layer-1 load brings the next expert's weights (a wrong expert). As a subprocess's
+# sitecustomize it patches specfit.offload.cache when that is first imported (nothing else is imported at start-up)
 WRONG_EXPERT = """
-import specfit.offload.cache as c
-_copy = c.LayerCache._copy
-def _wrong(self, loads, *a, **k):
-    return _copy(self, [((e + 1) % 128 if self.layer == 1 else e, s) for e, s in loads], *a, **k)
-c.LayerCache._copy = _wrong
+import importlib.util
+import sys
+
+
+def plant(module):
+    copy = module.LayerCache._copy
+
+    def wrong(self, loads, *a, **k):
+        return copy(self, [((e + 1) % 128 if self.layer == 1 else e, s) for e, s in loads], *a, **k)
+
+    module.LayerCache._copy = wrong
+
+
+class Plant:
+    def find_spec(self, name, path, target=None):
+        if name != "specfit.offload.cache":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        spec.loader.exec_module = lambda module: (run(module), plant(module))
+        return spec
+
+
+if __name__ == "sitecustomize":
+    sys.meta_path.insert(0, Plant())
 """
 
 
@@ -73,7 +95,9 @@ def test_decode_check_passes_on_the_stand_in_and_fails_on_a_wrong_expert(tiny, o
     import specfit.offload.cache as cache
 
     monkeypatch.setattr(cache.LayerCache, "_copy", cache.LayerCache._copy)  # the original, restored after the test
-    exec(WRONG_EXPERT, {})  # noqa: S102  (the defect the slow test plants in the subprocess)
+    namespace = {"__name__": "plant"}
+    exec(WRONG_EXPERT, namespace)  # noqa: S102  (the defect the slow test plants in the subprocess)
+    namespace["plant"](cache)
     assert reference_check(tiny) == 1
     assert "RESULT reference: FAIL" in capsys.readouterr().out
 
@@ -101,7 +125,7 @@ def test_part_2_passes_on_the_stand_in_under_the_scaled_device_limits(tmp_path):
     scale = float(factor[2])
     assert abs(scale - max(1.0, float(factor[1]))) < 2e-3  # scaled by the measured factor only, never below 1
     assert f"[calibrate] limit {int(70 * scale + 0.999)}s" in log  # the device's 70 s, scaled
-    assert code == 0 and "RESULT check: PASS: all 4 stages passed" in log, log[-3000:]
+    assert code == 0 and "RESULT check: PASS: all 4 stages passed" in log, (code, log[-3000:])
     assert "link='real copies', cold='auto', host='the host CPU'" in log
 
 

@@ -125,12 +125,13 @@ def listen_host_waits(listener, stop: bool = False) -> None:
         _listeners.append(listener)
 
 
-def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+def to_host(*tensors: torch.Tensor, pack: bool = False) -> list[np.ndarray]:
     """NumPy copies of device tensors, moved in one transfer (one host sync). Each keeps its shape and dtype
-    (NumPy dtypes only: cast bfloat16 on the device first)."""
+    (NumPy dtypes only: cast bfloat16 on the device first). ``pack``: packed as on a device even on the CPU (the
+    CUDA stand-in)."""
     if not tensors:
         return []
-    if tensors[0].device.type == "cpu":  # one read, as on a device (the would-be-sync counter sees one)
+    if tensors[0].device.type == "cpu" and not pack:  # one read, as on a device (the would-be-sync counter sees one)
         first = tensors[0].detach().cpu()
         return [first.numpy()] + [t.detach().numpy() for t in tensors[1:]]
     # pack as bytes, widest items first so every NumPy view stays aligned

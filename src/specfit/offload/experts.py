@@ -234,7 +234,7 @@ def routes_to_host(top_k_index: torch.Tensor, hidden_states: torch.Tensor, with_
     if not (hidden_states.device.type != "cpu" if as_bytes is None else as_bytes):
         return to_host(top_k_index.reshape(-1))[0], hidden_states
     # as bytes: NumPy has no bfloat16; viewed back as the compute dtype on the host
-    flat, raw = to_host(top_k_index.reshape(-1), hidden_states.contiguous().view(torch.uint8))
+    flat, raw = to_host(top_k_index.reshape(-1), hidden_states.contiguous().view(torch.uint8), pack=True)
     return flat, torch.from_numpy(raw).view(hidden_states.dtype)
 
 
