@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "specfit"
 LISTED = ROOT / "benchmarks" / "cuda_only_lines.txt"
-TESTS = ["tests/test_cuda_standin.py", "tests/test_decode_gate_standin.py", "tests/test_gpu_check_standin.py",
+TESTS = ["tests/test_cuda_standin.py", "tests/test_cuda_seams.py", "tests/test_decode_gate_standin.py", "tests/test_gpu_check_standin.py",
          "tests/test_host_lane.py", "tests/test_copy_engine.py", "tests/test_transfer.py", "tests/test_fp8.py",
          "tests/test_syncs.py",
          "tests/test_benchmark_scripts.py::test_decode_check_reference_passes_through_the_grouped_path"]

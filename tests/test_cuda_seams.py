@@ -110,3 +110,13 @@ def test_rows_packed_as_bytes_come_back_as_sent():
     index, rows = torch.tensor([3, 1, 2]), torch.randn(2, 5).to(torch.bfloat16)
     flat, raw = to_host(index, rows.view(torch.uint8), pack=True)
     assert flat.tolist() == [3, 1, 2] and torch.equal(torch.from_numpy(raw).view(torch.bfloat16), rows)
+
+
+def test_fp8_on_a_device_with_fp8_kernels_is_said_to_be_dequantized(monkeypatch):
+    from specfit.offload.loader import _fp8_device_note
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    note = _fp8_device_note(CUDA, torch.bfloat16, "ckpt")
+    assert "compute capability 9.0" in note and "dequantize=true" in note
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert _fp8_device_note(CUDA, torch.bfloat16, "ckpt") is None
