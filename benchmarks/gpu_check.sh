@@ -22,7 +22,8 @@
 #                 beforehand where PyPI is reachable) + specfit; FAILS unless every package the run imports is there
 #                 (REQUIRED) and the torch found has what SpecFit calls (>= 2.8, a grouped matmul); versions
 #                 (transformers >= 5.24), nvidia-smi. If it fails, only the bandwidth stage (torch alone) still runs
-#   pytest        SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py: FAILS unless tests ran and none skipped
+#   pytest        SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py tests/test_cuda_lane.py: FAILS unless tests ran
+#                 and none skipped
 #   bandwidth     H2D time of one real-size expert (9,437,184 bytes, bf16) from an arena pinned by ExpertStore
 #                 (cudaHostRegister; by hand if specfit does not import), from torch.empty(pin_memory=True), and from
 #                 pageable memory. Every row is measured, then the stage FAILS unless both pinned rows are page-locked,
@@ -478,7 +479,7 @@ EOF
 
 stage_pytest() {  # fails unless CUDA tests ran and none was skipped (an all-skipped run would otherwise pass)
     local out="$TMPD/pytest-raw.txt" rc summary
-    SPECFIT_REQUIRE_CUDA=1 "$PY" -m pytest -m cuda tests/test_cuda.py -q -rs -p no:cacheprovider 2>&1 | tee "$out"
+    SPECFIT_REQUIRE_CUDA=1 "$PY" -m pytest -m cuda tests/test_cuda.py tests/test_cuda_lane.py -q -rs -p no:cacheprovider 2>&1 | tee "$out"
     rc=${PIPESTATUS[0]}
     summary=$(grep -E '^=* *[0-9]+ (passed|failed|skipped|errors?|deselected)' "$out" | tail -n 1)
     echo "RESULT pytest: ${summary:-no summary line}"
@@ -518,7 +519,7 @@ plan() {  # the dry run's plan: seconds per stage, per part, for one call, and t
         wanted "$s" || [ "$s" = env ] || continue
         case $s in
             env) echo "  env ${BUDGET[env]}: install .whl/*.whl into $SITE/deps, build specfit into $SITE/pkg, versions, nvidia-smi" ;;
-            pytest) echo "  pytest ${BUDGET[pytest]}: SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py, no skips" ;;
+            pytest) echo "  pytest ${BUDGET[pytest]}: SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py tests/test_cuda_lane.py, no skips" ;;
             bandwidth) echo "  bandwidth ${BUDGET[bandwidth]}: H2D of one 9,437,184-byte expert: registered / pin_memory / pageable" ;;
             host-experts) echo "  host-experts ${BUDGET[host-experts]}: $PY benchmarks/host_expert_check.py --json $OUTDIR/host_experts.json" ;;
             checkpoint) echo "  checkpoint ${BUDGET[checkpoint]}: benchmarks/synthetic_checkpoint.py $WORK/ckpt --preset $PRESET --layers $LAYERS --drafter-out $WORK/drafter" ;;

@@ -259,37 +259,6 @@ def test_one_host_sync_per_moe_layer(monkeypatch):
     assert syncs == [1] * (2 * len(model.specfit.layers))
 
 
-def test_the_real_host_lane_computes_cold_experts_with_one_sync_per_layer(monkeypatch):
-    """cold="host" (review 5): every cold expert computed by the threaded lane on the host CPU, its rows brought
-    with the routes; the lane and the link were measured at enable (no probe in a forward); logits equal the
-    reference's and each MoE layer forward makes exactly one host sync."""
-    ids = clear_prompt(12, 1).cuda()
-    model = cuda_model()
-    expected = cuda_logits(model, ids)
-    specfit.enable(model, cache_slots=3, cold="host")
-    rt = model.specfit
-    assert rt.lane.real and rt.lane.measured is not None and rt._link_copy_seconds > 0
-    original, syncs = LayerRuntime.forward, []
-
-    def counted(self, *args):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                out = original(self, *args)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
-        return out
-
-    monkeypatch.setattr(LayerRuntime, "forward", counted)
-    for _ in range(2):
-        torch.testing.assert_close(cuda_logits(model, ids), expected, rtol=1e-4, atol=1e-4)
-    assert syncs == [1] * (2 * len(rt.layers))
-    c = rt.stats.total
-    assert c.host_experts > 0 and c.misses == 0 and c.host_busy_seconds > 0
-
-
 def test_demand_misses_do_not_wait_for_queued_prefetches():
     """Prefetches for every layer are queued behind a stalled prefetch stream; a forward whose experts are all
     misses (none of them prefetched) must still complete."""
