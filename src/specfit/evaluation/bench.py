@@ -112,6 +112,7 @@ def check_arguments(args) -> None:
                          f"per layer), got {bad}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out!r} is a file; it names the folder for results.json and the plots")
+    cli_checks.writable(args.out, "--out")
 
 
 def main(args) -> int:

@@ -146,8 +146,10 @@ def check_arguments(args) -> None:
         raise ValueError(f"--device {args.device}: the embedded model runs on the CPU only (specfit.embedded.load); "
                          f"leave --device out, or calibrate a checkpoint of your own with --model")
     check.cuda_device(args)
+    if args.out:
+        check.writable(args.out, "--out", kind="file")
     config = check.checkpoint_config(args.model) if args.model else json.loads((TARGET_DIR / "config.json").read_text())
-    experts = check.experts_per_layer(config)
+    experts = check.moe_config(config, args.model, "--model") if args.model else check.experts_per_layer(config)
     if args.slots is not None and experts is not None and not 1 <= args.slots <= experts:
         raise ValueError(f"--slots must be in 1..{experts} (the model's experts per MoE layer), got {args.slots}")
     check.at_least(args, 1, "slots")
