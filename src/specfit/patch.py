@@ -106,7 +106,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
         setattr(moe.experts, ATTR, layer_rt)
     previous_impl = hf_experts.experts_implementation(model)
     saved_config = hf_experts.own_config(model)  # the caller's config object is never written to
-    hf_experts.set_experts_implementation(model, hf_experts.EXPERTS_IMPL, specfit_experts_forward)
+    hf_experts.set_experts_implementation(model, hf_experts.enabled_name(previous_impl), specfit_experts_forward)
     hf_layers.route_blocks(layers, specfit_experts_forward)  # experts outside transformers' interface (Llama-4)
     base = hf_layers.base_model(model)
     # "specfit" (a family whose experts SpecFit routes keeps its own)
