@@ -71,14 +71,15 @@ GENERATE = {name: dict(m.generate) for name, m in METHODS.items()}
 def link_seconds(link_ms: float | None):
     """(``LinkConfig``, how it was set) of the emulated link for a demo or bench run: ``--link-ms`` when given, else
     the embedded model's structural default (``embedded.default_link``: a token's full expert demand costs 1.4x its
-    compute on this machine, as on the paper's A100), measured now."""
+    compute on this machine, as on the paper's A100), measured once per machine and kept (``embedded.link_store``)."""
     from .. import embedded
     from ..offload.link import LinkConfig
 
     if link_ms is not None:
         return LinkConfig(seconds_per_expert=link_ms / 1e3), "given (--link-ms)"
     return embedded.default_link(), (f"default: 1.4 x one token's compute ({embedded.token_compute_seconds() * 1e3:.2f}"
-                                     f" ms, measured now) / (layers x top-k)")
+                                     f" ms, kept for this machine; `specfit calibrate` measures it again) / "
+                                     f"(layers x top-k)")
 
 
 @dataclass
