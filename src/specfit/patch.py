@@ -5,13 +5,15 @@ parameters: no second copy anywhere), gives each MoE layer a slot cache on the c
 ``"specfit"`` experts implementation (in a private copy of the model's config), hooks the forward for route recording
 and counters, and, for a model that can generate, mixes SpecFit's generation strategy into the model's class. While
 enabled, ``state_dict``/``save_pretrained``/``load_state_dict`` see the experts in the store
-(``offload/checkpoint.py``) and moves or casts of the model are refused at the call (``offload/moves.py``). ``disable`` undoes each step, so outputs are bit-identical to before.
+(``offload/checkpoint.py``); a cast of the whole model's dtype rebuilds the offload in the new dtype (``_cast``), and
+other moves are refused at the call (``offload/moves.py``). ``disable`` undoes each step, so outputs are
+bit-identical to before.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
 from .offload import checkpoint, moves, policies
 from .offload.config import OffloadConfig
+from .offload.formats import DenseFormat
 from .offload.experts import ATTR, COMPILE_REASON, specfit_experts_forward
 from .offload.host_lane import HostConfig
 from .offload.link import LinkConfig
@@ -120,7 +123,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
 
     _serialize_forward(base, runtime, check_experts_implementation)  # one forward at a time, from any thread
     hooks = checkpoint.install(model, runtime)  # state_dict / save_pretrained / load_state_dict see the experts
-    moves.install(model, runtime)  # .to(dtype) / .half() / .cuda() ... refused at the call
+    moves.install(model, runtime, _cast)  # .half() / .to(dtype): cast (_cast); .cuda(), a layer's cast: refused
     # a model that cannot generate (sequence or token classification, question answering, the bare decoder) keeps
     # its class: only the offload applies to it
     original_class = install_generation_strategy(model) if type(model).can_generate() else type(model)
@@ -170,6 +173,42 @@ def _disable(model: nn.Module, runtime) -> nn.Module:
                                     r["requires_grad"])
     runtime.store.release()
     del model.specfit
+    return model
+
+
+def _cast(model: nn.Module, apply, dtype: torch.dtype):
+    """``model.half()``, ``model.to(torch.bfloat16)``, ... on an enabled model (``apply`` runs the cast of the plain
+    model): SpecFit is disabled, the model cast as transformers casts it, and SpecFit enabled again with the same
+    settings, so the host store is rebuilt in the new dtype (its arenas pinned again), the slots are new, the drafter
+    is cast with the model (the route predictor computes in fp32 whatever the model's dtype), and the cost profile of
+    the new dtype is looked up at the next generate(); what the acceptance model learned is kept. Returns None (the
+    cast is refused, naming the call that loads the model in that dtype) where the experts are stored FP8 or would
+    come back onto a GPU for the cast."""
+    runtime = model.specfit
+    back_on = torch.device(runtime._restore["param_device"])  # where disable() puts the experts
+    if not isinstance(runtime.store.format, DenseFormat) or back_on.type != "cpu":
+        return None
+    c = runtime.config
+    kept = dict(cache_slots=c.cache_slots, cache_mode=c.cache_mode, cache_policy=c.cache_policy, link=c.link,
+                host=c.host, cold=c.cold, pin=c.pin, device=runtime.device, drafter=runtime.drafter,
+                route_predictor=runtime.route_predictor, cost_model=None,
+                **{f.name: getattr(runtime.options, f.name) for f in fields(runtime.options)})
+    learned, tables = runtime.acceptance_models, runtime.acceptance_tables
+    load_call, command = getattr(runtime, "load_call", None), runtime.calibrate_command
+    disable(model)
+    apply()
+    try:
+        enable(model, **kept)
+    except Exception as err:
+        raise RuntimeError(f"the model was cast to {dtype}, but enabling SpecFit again failed ({err}); it is a plain "
+                           f"model now: call specfit.enable(model, ...) with your options") from err
+    new = model.specfit
+    new.acceptance_models, new.acceptance_tables = learned, tables
+    if load_call is not None:
+        new.load_call = load_call
+    if command is not None:  # the command that fits a profile for this dtype
+        name = str(dtype).replace("torch.", "")
+        new.calibrate_command = command.split(" --dtype")[0] + ("" if name == "float32" else f" --dtype {name}")
     return model
 
 
