@@ -1,5 +1,5 @@
-"""What a user names works after a plain ``import specfit``: every registered assistant (the acceptance oracle too,
-whose module nothing else imports), and ``specfit --help``'s glossary names the cache policy that is the default."""
+"""What a user names works after a plain ``import specfit``: every registered assistant on an enabled model (the
+acceptance oracle too, registered by the generate() strategy's import of it), and ``specfit --help``'s glossary names the cache policy that is the default."""
 
 import os
 import subprocess
@@ -16,8 +16,8 @@ FRESH = """
 import torch, specfit
 from specfit import embedded
 torch.set_num_threads(1)
-assert "acceptance-oracle" in specfit.ASSISTANTS, sorted(specfit.ASSISTANTS)
 model, tokenizer = embedded.load(cache_slots=16)
+assert "acceptance-oracle" in specfit.ASSISTANTS, sorted(specfit.ASSISTANTS)
 ids = tokenizer("Question: What is 2 + 3?\\nAnswer:", return_tensors="pt").input_ids
 plain = model.generate(ids, max_new_tokens=6, do_sample=False)
 for name in sorted(specfit.ASSISTANTS):

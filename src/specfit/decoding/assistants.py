@@ -407,16 +407,8 @@ class Backoff:
             self.left = min(2 ** (self.failures - 1), self.most)
 
 
-def _acceptance_oracle(model) -> TreeCandidateGenerator:
-    """``specfit.evaluation.oracle.AcceptanceOracle``, imported when first asked for (that module registers the class
-    itself on import), so the name works after a plain ``import specfit``."""
-    from ..evaluation.oracle import AcceptanceOracle
-
-    return AcceptanceOracle(model)
-
-
-ASSISTANTS: dict[str, Callable] = {"eagle3": Eagle3Generator, "specfit": SpecFitGenerator,
-                                   "acceptance-oracle": _acceptance_oracle}
+ASSISTANTS: dict[str, Callable] = {"eagle3": Eagle3Generator, "specfit": SpecFitGenerator}
+# "acceptance-oracle" is registered by decoding/oracle.py, which decoding/strategy.py imports
 
 
 def register_assistant(name: str, factory: Callable, *, replace: bool = False) -> None:

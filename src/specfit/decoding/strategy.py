@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..seam import experts as hf_experts
+from . import oracle  # noqa: F401  registers "acceptance-oracle": every enabled model knows the name
 from .assistants import resolve_assistant
 from .loop import SAMPLE_MODES, call_config, check_generate_arguments, decode, generate_arguments
 
