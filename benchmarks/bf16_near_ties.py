@@ -18,12 +18,12 @@ Writes ``results.json`` and prints one row per slot count and method.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
-from pathlib import Path
 
 import torch
+
+from specfit.evaluation.results_file import write_results
 from forecast_goals import held_out  # the same held-out prompts (this folder)
 
 METHODS = (None, "eagle3", "specfit")
@@ -129,10 +129,7 @@ def main() -> None:
                   f"{r['max_deviation_units']:10.2f} {r['ok']:3d}/{r['prompts']}", flush=True)
         result["rows"] += rows
     result["seconds"] = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    print(f"{result['seconds']:.0f} s; wrote {out / 'results.json'}")
+    print(f"{result['seconds']:.0f} s; wrote {write_results(args.out, result)}")
 
 
 if __name__ == "__main__":

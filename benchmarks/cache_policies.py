@@ -29,12 +29,12 @@ Writes ``results.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
+
+from specfit.evaluation.results_file import write_results
 
 METHODS = ("ar", "eagle3", "specfit")
 # clock methods: name -> (assistant, decoding options)
@@ -262,10 +262,7 @@ def main() -> None:
                       f"hit {r['hit_rate']:.2f}  nodes/cycle {r['nodes_per_cycle']:.2f}  tokens/cycle "
                       f"{r['tokens_per_cycle']:.2f}", flush=True)
         results["clock"] += rows
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n{time.perf_counter() - t_start:.0f} s in all; results in {out / 'results.json'}")
+    print(f"\n{time.perf_counter() - t_start:.0f} s in all; results in {write_results(args.out, results)}")
 
 
 if __name__ == "__main__":

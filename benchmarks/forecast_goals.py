@@ -14,11 +14,11 @@ checked identical. Writes ``results.json`` and prints one table per cell.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+
+from specfit.evaluation.results_file import write_results
 
 METHODS = ("ar", "eagle3", "specfit", "prompt-lookup", "acceptance-oracle")
 
@@ -92,10 +92,7 @@ def main() -> None:
             print("  SpecFit over: " + ", ".join(f"{m} x{v:.2f}" for m, v in r["specfit_over"].items())
                   + (f"; of the acceptance oracle (its look-ahead excluded, {r['oracle_tok_s_excl']:.2f} tok/s): "
                      f"{100 * r['specfit_over_oracle']:.0f}%" if "specfit_over_oracle" in r else ""), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"link": link.label if link else None, "results": results},
-                                                 indent=1, default=str) + "\n")
+    print(f"results in {write_results(args.out, {'link': link.label if link else None, 'results': results})}")
 
 
 if __name__ == "__main__":

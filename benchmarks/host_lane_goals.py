@@ -17,11 +17,11 @@ Writes ``results.json`` and prints one table per cell and the goals.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+
+from specfit.evaluation.results_file import write_results
 from forecast_goals import held_out  # the same held-out prompts as issue 27's goals
 
 METHODS = ("ar-copy", "ar", "eagle3", "specfit")
@@ -104,10 +104,7 @@ def main() -> None:
             print("  " + ", ".join(f"{k} x{v:.2f}" for k, v in r["ratios"].items()), flush=True)
     print("\nGoals (issue 36), this run:")
     print("\n".join(goals(results)))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"link": link.label, "host": host.label, "results": results},
-                                                 indent=1, default=str) + "\n")
+    print(f"results in {write_results(args.out, {'link': link.label, 'host': host.label, 'results': results})}")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ depends on the seed and the position only, not on the tree).
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+
+from specfit.evaluation.results_file import write_results
 from forecast_goals import held_out  # the same held-out prompts (this folder)
 
 
@@ -60,10 +60,7 @@ def main() -> None:
               f"{learned[0]} -> {learned[-1]}: {text[:50]!r}", flush=True)
     result = {"slots": args.slots, "link": model.specfit.link_label, "seed": args.seed, "sampling": sampling,
               "rows": rows, "seconds": time.perf_counter() - t0}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    print(f"{result['seconds']:.0f} s; wrote {out / 'results.json'}")
+    print(f"{result['seconds']:.0f} s; wrote {write_results(args.out, result)}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="Qwen/Qwen3-30B-A3B")
 parser.add_argument("--drafter", required=True)
 parser.add_argument("--slots", type=int, default=48)
+parser.add_argument("--max-new-tokens", type=int, default=256)
 args = parser.parse_args()
 
 model = specfit.from_pretrained(args.model, cache_slots=args.slots, drafter=args.drafter)
@@ -25,11 +26,13 @@ print(model.specfit)  # pinned bytes vs weight bytes, slots, device
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 messages = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold half as "
                                         "many clips in May. How many clips did Natalia sell altogether?"}]
-ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                    return_tensors="pt").to(model.device)
+# return_dict=True: the encoding (input_ids and attention_mask), whatever the transformers version returns by default
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                       return_dict=True, return_tensors="pt").to(model.device)
+prompt_length = inputs["input_ids"].shape[1]
 for assistant in (None, "eagle3", "specfit"):
-    out = model.generate(ids, max_new_tokens=256, do_sample=False, assistant=assistant)
+    out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, assistant=assistant)
     g = model.specfit.stats.last_generate
     print(f"{assistant or 'AR':8} {g.tokens_per_second:6.2f} tok/s  {g.copies_per_token:6.1f} copies/token  "
           f"{g.nodes_per_cycle:4.2f} nodes/cycle  {g.tokens_per_cycle:4.2f} tokens/cycle")
-print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+print(tokenizer.decode(out[0, prompt_length:], skip_special_tokens=True))

@@ -20,7 +20,7 @@ LAYERS = [
     {"specfit.offload", "specfit.drafting"},
     {"specfit.selection"},
     {"specfit.decoding"},
-    {"specfit.patch"},
+    {"specfit.patch", "specfit.enable_checks"},
     {"specfit.evaluation", "specfit.training", "specfit.embedded", "specfit.cli", "specfit"},
 ]
 

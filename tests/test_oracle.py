@@ -6,7 +6,8 @@ import torch
 from conftest import SelfDrafter, tiny_moe
 
 import specfit
-from specfit.evaluation import harness, oracle
+from specfit.decoding import oracle
+from specfit.evaluation import harness
 
 PROMPT = torch.randint(2, 256, (1, 9), generator=torch.Generator().manual_seed(3))
 

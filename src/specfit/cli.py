@@ -23,11 +23,14 @@ measure this machine, and retrain the embedded models."""
 
 # The terms the commands' output and the README use; README.md's glossary says the same.
 TERMS = {
-    "slots": "expert slots per MoE layer on the device: an LRU cache of experts (the paper: 48 of Qwen3-30B-A3B's "
-             "128); a cache miss copies one expert from host memory",
+    "slots": "expert slots per MoE layer on the device: a cache of experts (the paper: 48 of Qwen3-30B-A3B's 128); "
+             "a cache miss copies one expert from host memory",
+    "cache policy": "which expert a miss evicts: 'forecast' (the default: decayed use frequency plus the experts "
+                    "SpecFit's drafted tree is predicted to need), 'frequency', 'frequency-age' or 'lru'",
     "link": "the host-to-device path the experts are copied over; on a CPU it is emulated (each copy takes a set "
             "time) and every figure says so: CPU figures are not GPU speed",
-    "cache mode": "'cached': slots keep experts across forwards (LRU); 'cleared': emptied before every forward",
+    "cache mode": "'cached': slots keep experts across forwards (by the cache policy); 'cleared': emptied before "
+                  "every forward",
     "AR": "autoregressive decoding: plain generate(), one token per forward",
     "drafter": "the small EAGLE-3 model that proposes a tree of draft tokens from the target's hidden states",
     "node": "one draft token of the tree; nodes/cycle counts the draft tokens verified per cycle",
@@ -50,7 +53,8 @@ TERMS = {
 def _glossary(width: int = 100) -> str:
     lines = ["terms:"]
     for term, text in TERMS.items():
-        lines += textwrap.wrap(text, width, initial_indent=f"  {term:<16}", subsequent_indent=" " * 18)
+        lines += textwrap.wrap(text, width, initial_indent=f"  {term:<16}", subsequent_indent=" " * 18,
+                               break_on_hyphens=False)
     return "\n".join(lines) + "\n\nRun `specfit COMMAND --help` for a command's options. More: README.md."
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import tempfile
 from pathlib import Path
 
 from .selection.profile_files import TOKENIZER_FILES
@@ -84,6 +86,54 @@ def experts_per_layer(config: dict) -> int | None:
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 return n
     return None
+
+
+def writable(value: str, what: str, *, kind: str = "folder") -> Path:
+    """An output path, checked before any work: ``kind`` 'folder' (made when missing) or 'file' (its folder made when
+    missing). The nearest folder that exists on the way is tried with a scratch file, written and removed at once,
+    so a path nothing can be written to (read-only, /proc, a file in the way) is refused now, not after the job."""
+    path = Path(value).expanduser()
+    if path.is_dir() and kind == "file":
+        raise ValueError(f"{what} {value!r} is a folder; it names the file to write")
+    if path.exists() and not path.is_dir() and kind == "folder":
+        raise ValueError(f"{what} {value!r} is a file; it names a folder to write into")
+    if path.is_file() and not os.access(path, os.W_OK):
+        raise ValueError(f"{what} {value!r} exists and cannot be overwritten (no write permission)")
+    probe = path.absolute() if path.is_dir() else path.absolute().parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{what} {value!r} cannot be written: {str(probe)!r} on the way is a file, not a folder")
+    try:
+        fd, scratch = tempfile.mkstemp(dir=probe, prefix=".specfit-write-check-")
+        os.close(fd)
+        os.unlink(scratch)
+    except OSError as err:
+        raise ValueError(f"{what} {value!r} cannot be written: a file in {str(probe)!r} cannot be created "
+                         f"({err.strerror or type(err).__name__}); give a path in a folder you can write") from None
+    return path
+
+
+MOE_EXAMPLES = "Qwen3MoeForCausalLM, MixtralForCausalLM or GptOssForCausalLM"
+
+
+def moe_config(config: dict, value: str, what: str) -> int:
+    """The routed experts per layer of a checkpoint's config; a model without them is refused as the Python API
+    refuses it (``specfit.seam.layers.moe_layers``: "... has no MoE layers"), before any weight loads."""
+    experts = experts_per_layer(config)
+    if experts is None:
+        name = (config.get("architectures") or [config.get("model_type") or "the model"])[0]
+        raise ValueError(f"{what} {value!r}: {name} has no MoE layers (its config.json names no routed experts: "
+                         f"num_experts, num_local_experts or n_routed_experts); SpecFit offloads the experts of "
+                         f"models such as {MOE_EXAMPLES}")
+    return experts
+
+
+def moe_folder(value: str, what: str) -> Path:
+    """A checkpoint folder holding config.json whose model has MoE layers (``moe_config``)."""
+    path = folder(value, what, must_hold="config.json")
+    moe_config(json.loads((path / "config.json").read_text()), value, what)
+    return path
 
 
 def has_tokenizer(path: Path) -> bool:

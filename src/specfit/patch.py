@@ -5,13 +5,13 @@ parameters: no second copy anywhere), gives each MoE layer a slot cache on the c
 ``"specfit"`` experts implementation (in a private copy of the model's config), hooks the forward for route recording
 and counters, and, for a model that can generate, mixes SpecFit's generation strategy into the model's class. While
 enabled, ``state_dict``/``save_pretrained``/``load_state_dict`` see the experts in the store
-(``offload/checkpoint.py``) and moves or casts of the model are refused at the call (``offload/moves.py``). ``disable`` undoes each step, so outputs are bit-identical to before.
+(``offload/checkpoint.py``); a cast of the whole model's dtype rebuilds the offload in the new dtype (``_cast``), and
+other moves are refused at the call (``offload/moves.py``). ``disable`` undoes each step, so outputs are
+bit-identical to before.
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -24,11 +24,10 @@ from .decoding.options import DecodingOptions
 from .decoding.strategy import install_generation_strategy, remove_generation_strategy
 from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
-from .offload import checkpoint, moves, policies, standin
+from .offload import checkpoint, moves, policies
 from .offload.config import OffloadConfig
-from .offload.cold import check_cold
+from .offload.formats import DenseFormat
 from .offload.experts import ATTR, COMPILE_REASON, specfit_experts_forward
-from .offload.formats import host_path_formats
 from .offload.host_lane import HostConfig
 from .offload.link import LinkConfig
 from .offload.loader import load_offloaded
@@ -39,6 +38,9 @@ from .selection.acceptance_model import AcceptanceTables
 from .selection.profiles import check_profile_options, checked_cost_model
 from .selection.route_predictor import CONFIG, RoutePredictor
 from .selection.route_sources import choose_route_source
+from .enable_checks import (  # noqa: F401  (_cold_mode: imported from here by tests)
+    DECODING_KEYWORDS, ENABLE_ONLY, FROM_PRETRAINED_KEYWORDS, OPTION_NAMES, _check_keywords, _check_link_device,
+    _check_slots, _check_weights_in_memory, _cold_mode, _decoding_options, _device_of_map, _host_config, _link_config)
 
 
 def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str = "cached",
@@ -107,7 +109,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
         setattr(moe.experts, ATTR, layer_rt)
     previous_impl = hf_experts.experts_implementation(model)
     saved_config = hf_experts.own_config(model)  # the caller's config object is never written to
-    hf_experts.set_experts_implementation(model, hf_experts.EXPERTS_IMPL, specfit_experts_forward)
+    hf_experts.set_experts_implementation(model, hf_experts.enabled_name(previous_impl), specfit_experts_forward)
     hf_layers.route_blocks(layers, specfit_experts_forward)  # experts outside transformers' interface (Llama-4)
     base = hf_layers.base_model(model)
     # "specfit" (a family whose experts SpecFit routes keeps its own)
@@ -122,7 +124,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
 
     _serialize_forward(base, runtime, check_experts_implementation)  # one forward at a time, from any thread
     hooks = checkpoint.install(model, runtime)  # state_dict / save_pretrained / load_state_dict see the experts
-    moves.install(model, runtime)  # .to(dtype) / .half() / .cuda() ... refused at the call
+    moves.install(model, runtime, _cast)  # .half() / .to(dtype): cast (_cast); .cuda(), a layer's cast: refused
     # a model that cannot generate (sequence or token classification, question answering, the bare decoder) keeps
     # its class: only the offload applies to it
     original_class = install_generation_strategy(model) if type(model).can_generate() else type(model)
@@ -172,6 +174,42 @@ def _disable(model: nn.Module, runtime) -> nn.Module:
                                     r["requires_grad"])
     runtime.store.release()
     del model.specfit
+    return model
+
+
+def _cast(model: nn.Module, apply, dtype: torch.dtype):
+    """``model.half()``, ``model.to(torch.bfloat16)``, ... on an enabled model (``apply`` runs the cast of the plain
+    model): SpecFit is disabled, the model cast as transformers casts it, and SpecFit enabled again with the same
+    settings, so the host store is rebuilt in the new dtype (its arenas pinned again), the slots are new, the drafter
+    is cast with the model (the route predictor computes in fp32 whatever the model's dtype), and the cost profile of
+    the new dtype is looked up at the next generate(); what the acceptance model learned is kept. Returns None (the
+    cast is refused, naming the call that loads the model in that dtype) where the experts are stored FP8 or would
+    come back onto a GPU for the cast."""
+    runtime = model.specfit
+    back_on = torch.device(runtime._restore["param_device"])  # where disable() puts the experts
+    if not isinstance(runtime.store.format, DenseFormat) or back_on.type != "cpu":
+        return None
+    c = runtime.config
+    kept = dict(cache_slots=c.cache_slots, cache_mode=c.cache_mode, cache_policy=c.cache_policy, link=c.link,
+                host=c.host, cold=c.cold, pin=c.pin, device=runtime.device, drafter=runtime.drafter,
+                route_predictor=runtime.route_predictor, cost_model=None,
+                **{f.name: getattr(runtime.options, f.name) for f in fields(runtime.options)})
+    learned, tables = runtime.acceptance_models, runtime.acceptance_tables
+    load_call, command = getattr(runtime, "load_call", None), runtime.calibrate_command
+    disable(model)
+    apply()
+    try:
+        enable(model, **kept)
+    except Exception as err:
+        raise RuntimeError(f"the model was cast to {dtype}, but enabling SpecFit again failed ({err}); it is a plain "
+                           f"model now: call specfit.enable(model, ...) with your options") from err
+    new = model.specfit
+    new.acceptance_models, new.acceptance_tables = learned, tables
+    if load_call is not None:
+        new.load_call = load_call
+    if command is not None:  # the command that fits a profile for this dtype
+        name = str(dtype).replace("torch.", "")
+        new.calibrate_command = command.split(" --dtype")[0] + ("" if name == "float32" else f" --dtype {name}")
     return model
 
 
@@ -254,132 +292,7 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
     return enable(model, cache_slots=cache_slots, store=store, device=device, pin=pin, **enable_kwargs)
 
 
-# --- checks of what enable / configure / from_pretrained are given ----------------------------------------------
-OPTION_NAMES = tuple(f.name for f in fields(DecodingOptions))  # new options pass the keyword check by themselves
-DECODING_KEYWORDS = OPTION_NAMES + ("cost_model", "route_predictor")  # enable's **decoding
-FROM_PRETRAINED_KEYWORDS = DECODING_KEYWORDS + ("cache_mode", "cache_policy", "link", "cold", "host", "drafter")
-ENABLE_ONLY = ("cache_slots", "cache_mode", "cache_policy", "link", "cold", "host", "pin", "device", "store", "drafter",
-               "route_predictor")
-
-
-def _check_keywords(given, accepted, where: str, named=None, enable_only=()) -> None:
-    """Unknown keywords in ``given`` (a function's ``**kwargs``) are refused by name, with the closest of the
-    keywords the function takes: ``accepted`` and the keyword parameters of ``named`` (``max_node`` -> ``max_nodes``,
-    ``device_map`` -> ``device``)."""
-    for key in given:
-        if key in accepted:
-            continue
-        if key in enable_only:
-            raise TypeError(f"{where} cannot change {key}= on an enabled model: it is set by specfit.enable. Call "
-                            f"specfit.disable(model), then specfit.enable(model, {key}=..., ...) again")
-        parameters = inspect.signature(named).parameters.values() if named is not None else ()
-        takes = sorted({*accepted, *(p.name for p in parameters if p.kind in (p.KEYWORD_ONLY,
-                                                                              p.POSITIONAL_OR_KEYWORD))} - {"model"})
-        close = difflib.get_close_matches(key, takes, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else "."
-        raise TypeError(f"{where} got an unexpected keyword argument {key!r}{hint} It takes: {', '.join(takes)}")
-
-
-def _decoding_options(kwargs) -> DecodingOptions:
-    """The decoding options among ``kwargs``, checked (values too) before any work."""
-    return DecodingOptions(**{k: v for k, v in kwargs.items() if k in OPTION_NAMES})
-
-
-def _check_slots(cache_slots, num_experts: int | None = None) -> None:
-    """``cache_slots``: an integer in 1..num_experts (only its type when the number of experts is not known yet)."""
-    span = "1..number of experts per layer" if num_experts is None else f"1..{num_experts}"
-    if cache_slots is None:
-        raise ValueError(f"cache_slots is required: expert slots per MoE layer on the device, {span}")
-    if isinstance(cache_slots, bool) or not isinstance(cache_slots, int) or \
-            (num_experts is not None and not 1 <= cache_slots <= num_experts):
-        raise ValueError(f"cache_slots must be an integer in {span}" +
-                         (" (the model's experts per layer)" if num_experts is not None else "") +
-                         f", got {cache_slots!r}")
-
-
-def _link_config(link) -> LinkConfig | None:
-    """A ``LinkConfig`` from seconds per expert copy (finite, >= 0: checked by LinkConfig), or as given."""
-    if isinstance(link, (int, float)) and not isinstance(link, bool):
-        return LinkConfig(seconds_per_expert=float(link))
-    if link is not None and not isinstance(link, LinkConfig):
-        raise ValueError(f"link must be a LinkConfig or seconds per expert copy (a float), got {link!r}")
-    return link
-
-
-def _check_link_device(link, device: torch.device) -> None:
-    if link is not None and device.type == "cuda":
-        raise ValueError("link= emulates a host link for CPU studies; on CUDA the copies are real: leave it unset")
-
-
-def _host_config(host) -> HostConfig | None:
-    """A ``HostConfig`` from the host's bandwidth in bytes/s (a finite number > 0: checked by HostConfig), or as
-    given."""
-    if isinstance(host, (int, float)) and not isinstance(host, bool):
-        return HostConfig(bandwidth=float(host))
-    if host is not None and not isinstance(host, HostConfig):
-        raise ValueError(f"host must be a HostConfig or the host lane's bandwidth in bytes/s (a float), e.g. "
-                         f"specfit.embedded.default_host(), got {host!r}")
-    return host
-
-
-def _cold_mode(cold, host: HostConfig | None, device: torch.device, fmt) -> str:
-    """``cold=`` checked against where a host lane exists: CUDA (the host CPU itself), or a CPU device given an
-    emulated lane (``host=``); and against the stored format (``offload/formats.py``: a format without a host path
-    is copied). None: ``"auto"`` where a lane exists, else ``"copy"``."""
-    if host is not None and device.type == "cuda":
-        raise ValueError("host= emulates a host lane for CPU studies; on CUDA the host CPU computes host experts "
-                         "for real: leave it unset")
-    hosted = fmt is None or getattr(fmt, "host_path", False)
-    lane = (host is not None or device.type == "cuda" or standin.active(device)) and hosted
-    if cold is None:
-        return "auto" if lane else "copy"
-    check_cold(cold)
-    if cold != "copy" and not hosted:
-        raise ValueError(f"cold={cold!r}: the experts are stored as {fmt.name}, which has no host path (the host "
-                         f"lane computes {', '.join(host_path_formats())} experts); use cold='copy'")
-    if cold != "copy" and not lane:
-        raise ValueError(f"cold={cold!r} needs a host lane: on a CPU device the host is the device itself, so give "
-                         f"an emulated one, host=specfit.embedded.default_host() (or a HostConfig), or use "
-                         f"cold='copy'")
-    return cold
-
-
-def _device_of_map(device_map, device):
-    """``from_pretrained``'s ``device_map`` as the one device for the weights that are not routed experts."""
-    if device_map is None:
-        return device
-    targets = set(map(str, device_map.values())) if isinstance(device_map, dict) else {str(device_map)}
-    reason = None
-    if len(targets) != 1:
-        reason = f"it spreads the model over {sorted(targets)}"
-    elif targets & {"disk", "meta"}:
-        reason = "it offloads weights to disk"
-    elif targets & {"balanced", "balanced_low_0", "sequential"}:
-        reason = "it spreads the model over several GPUs"
-    if reason is not None:
-        raise ValueError(f"device_map={device_map!r}: {reason}. SpecFit places the model itself: the routed experts "
-                         f"in host memory with a slot cache on the device, every other weight on one device. Pass "
-                         f"device_map='auto' or device=... (default: CUDA when available, else CPU)")
-    target = targets.pop()
-    chosen = None if target == "auto" else torch.device(int(target) if target.isdigit() else target)
-    if device is not None and chosen is not None and torch.device(device) != chosen:
-        raise ValueError(f"device={device!r} and device_map={device_map!r} disagree; pass one of them")
-    return device if chosen is None else chosen
-
-
-def _check_weights_in_memory(model) -> None:
-    """enable moves the experts out of the model's own tensors: each must hold its values (not meta, as weights of
-    a model loaded with disk or CPU offload are, or of one built without weights)."""
-    meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if meta:
-        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
-        mapped = getattr(model, "hf_device_map", None)
-        how = f" (hf_device_map places modules on {sorted(set(map(str, mapped.values())))})" if mapped else ""
-        raise ValueError(f"{len(meta)} of the model's weights hold no values (meta tensors: {shown}){how}: SpecFit "
-                         f"needs every weight in memory to move the experts to its host store. Load the model without "
-                         f"disk or CPU offload (no device_map, or device_map='cpu'), or stream the checkpoint with "
-                         f"specfit.from_pretrained(path, cache_slots=...)")
-
+# the checks of what enable / configure / from_pretrained are given: enable_checks.py
 
 # --- decoding parts -------------------------------------------------------------------------------------------
 def attach_decoding(model, drafter=None, cost_model=None, route_predictor=None, **options) -> None:

@@ -408,6 +408,7 @@ class Backoff:
 
 
 ASSISTANTS: dict[str, Callable] = {"eagle3": Eagle3Generator, "specfit": SpecFitGenerator}
+# "acceptance-oracle" is registered by decoding/oracle.py, which decoding/strategy.py imports
 
 
 def register_assistant(name: str, factory: Callable, *, replace: bool = False) -> None:

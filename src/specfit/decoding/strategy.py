@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..seam import experts as hf_experts
+from . import oracle  # noqa: F401  registers "acceptance-oracle": every enabled model knows the name
 from .assistants import resolve_assistant
 from .loop import SAMPLE_MODES, call_config, check_generate_arguments, decode, generate_arguments
 
@@ -25,6 +26,14 @@ _UNSET = object()  # assistant= not passed: the generation config decides (an ex
 class SpecFitGenerationMixin:
     """Mixed into the model's class by ``enable``: ``generate(..., assistant=NAME)`` runs SpecFit's tree decoding
     loop with the named assistant; without an assistant it is transformers' own ``generate()``."""
+
+    def __new__(cls, *args, **kwargs):
+        """``type(model)(config)`` (and ``type(model)._from_config``) builds a plain model of the original class:
+        ``enable`` acts on one model, never on a class. (Copies made without arguments keep this class.)"""
+        plain = cls.__dict__.get("_plain_class")
+        if plain is not None and (args or kwargs):
+            return plain(*args, **kwargs)
+        return super().__new__(cls)
 
     def generate(self, *args, assistant=_UNSET, **kwargs):
         """One call at a time per model, from any number of threads (a call waits for the one in progress; the wait
@@ -136,7 +145,8 @@ def install_generation_strategy(model) -> type:
     """Swap the model's class for a subclass with the SpecFit strategy (same name, so ``save_pretrained`` still
     writes the original architecture); return the original class for ``remove_generation_strategy``."""
     cls = type(model)
-    model.__class__ = type(cls.__name__, (SpecFitGenerationMixin, cls), {"__module__": cls.__module__})
+    model.__class__ = type(cls.__name__, (SpecFitGenerationMixin, cls), {"__module__": cls.__module__,
+                                                                         "_plain_class": cls})
     return cls
 
 

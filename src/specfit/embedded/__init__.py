@@ -129,8 +129,9 @@ def advise_threads(threads: int) -> None:
 def default_link_seconds(refresh: bool = False) -> float:
     """Seconds per expert copy of the emulated host link the demo and the bench use by default: 1.4 x (one token's
     compute with every expert resident) / (layers x top-k), so that, as on the paper's A100, copying a token's full
-    expert demand costs 1.4x its compute on this machine. Measured once per process and thread count (the fastest
-    of interleaved rounds of decode forwards), ``refresh=True`` measures again; ``token_compute_seconds()`` gives
+    expert demand costs 1.4x its compute on this machine. Measured once per machine and thread count (the fastest
+    of interleaved rounds of decode forwards) and kept in the user cache (``link_store``), so runs on one machine
+    compare; ``refresh=True`` (``specfit calibrate``) measures and keeps it again; ``token_compute_seconds()`` gives
     the compute it was derived from."""
     return _measured_link(refresh)[0]
 
@@ -201,9 +202,16 @@ def token_compute_seconds(refresh: bool = False) -> float:
 
 
 def _measured_link(refresh: bool) -> tuple[float, float]:
+    """Per thread count: this process's value, else the one kept for this machine (``link_store``), else measured
+    and kept; ``refresh`` measures and keeps it again (``specfit calibrate`` does)."""
     import torch
 
+    from . import link_store
+
     key = torch.get_num_threads()
+    entry = link_store.key(key, TARGET_DIR / "model.safetensors")
+    if not refresh and key not in _link and (kept := link_store.read(entry)) is not None:
+        _link[key] = kept
     if refresh or key not in _link:
         model, tokenizer = load(_num_experts(), drafter=False)
         ids = tokenizer("Question: A farmer has 12 cows and buys 5 more. How many cows does he have?\nAnswer:",
@@ -211,6 +219,7 @@ def _measured_link(refresh: bool) -> tuple[float, float]:
         compute = fastest_forward_seconds(model, ids)
         demand = model.config.num_hidden_layers * model.config.num_experts_per_tok
         _link[key] = (DEMAND_TO_COMPUTE * compute / demand, compute)
+        link_store.write(entry, *_link[key])
     return _link[key]
 
 

@@ -86,12 +86,13 @@ def add_arguments(p) -> None:
 
 def check_arguments(args) -> None:
     """OUT must be a folder or not exist yet; ``--source`` a bf16 checkpoint folder (config.json, model.safetensors)."""
-    from ..cli_checks import folder
+    from ..cli_checks import moe_folder, writable
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"OUT {args.out!r} is a file; it names the folder to write the FP8 checkpoint to")
+    writable(args.out, "OUT")
     if args.source is not None:
-        source = folder(args.source, "--source", must_hold="config.json")
+        source = moe_folder(args.source, "--source")
         if not (source / "model.safetensors").is_file():
             raise ValueError(f"--source {args.source!r} holds no model.safetensors (one file of bf16 weights, as the "
                              f"embedded target's)")

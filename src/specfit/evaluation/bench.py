@@ -12,7 +12,7 @@ emulated host link (CPU, labelled as such) whose cost per expert copy follows fr
 full expert demand costs 1.4x its compute, as on the paper's A100 (``--link-ms`` sets it). Output: the tables, a
 JSON of every figure, and a PNG of tok/s against slots. The paper's figures are printed apart.
 
-The limit: the *acceptance oracle* (``evaluation/oracle.py``, a measurement device, never a default) verifies in
+The limit: the *acceptance oracle* (``decoding/oracle.py``, a measurement device, never a default) verifies in
 every cycle exactly the path the target accepts, found by a look-ahead forward outside the offload. Its row is shown
 apart from the others, by its decode tok/s without the look-ahead's time, and every cell says SpecFit's decode tok/s
 as a fraction of it: how close SpecFit's choice of subtree comes to the best any rule can do with this drafter and
@@ -112,6 +112,7 @@ def check_arguments(args) -> None:
                          f"per layer), got {bad}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out!r} is a file; it names the folder for results.json and the plots")
+    cli_checks.writable(args.out, "--out")
 
 
 def main(args) -> int:

@@ -143,8 +143,10 @@ def check_arguments(args) -> None:
         raise ValueError(f"--device {args.device}: the embedded model runs on the CPU only (specfit.embedded.load); "
                          f"leave --device out, or calibrate a checkpoint of your own with --model")
     check.cuda_device(args)
+    if args.out:
+        check.writable(args.out, "--out", kind="file")
     config = check.checkpoint_config(args.model) if args.model else json.loads((TARGET_DIR / "config.json").read_text())
-    experts = check.experts_per_layer(config)
+    experts = check.moe_config(config, args.model, "--model") if args.model else check.experts_per_layer(config)
     if args.slots is not None and experts is not None and not 1 <= args.slots <= experts:
         raise ValueError(f"--slots must be in 1..{experts} (the model's experts per MoE layer), got {args.slots}")
     check.at_least(args, 1, "slots")
@@ -188,6 +190,11 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     elif args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
         torch.set_num_threads(1)  # see --threads: the default that keeps the timer quiet on a shared CPU
+    if args.model is None or args.default_link:  # the structural default link is kept with the profile fitted here
+        from ..embedded import default_link_seconds
+
+        print(f"default link measured again: {default_link_seconds(refresh=True) * 1e3:.3f} ms per copy, kept for "
+              f"this machine's next runs", flush=True)
     t0 = time.perf_counter()
     model, tokenizer = _load(args)
     print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes

@@ -123,7 +123,8 @@ def main(args) -> int:
     texts, missing = workload_prompts(args)
     torch.set_num_threads(args.threads)  # this command owns its process: the count that suits the model (--threads)
     if args.link_ms is None:
-        print("measuring one token's compute on this machine for the default emulated link ...", flush=True)
+        print("the default emulated link: one token's compute on this machine (measured on the first run, then "
+              "kept) ...", flush=True)
     link, how = link_seconds(args.link_ms)
     args.link_ms = embedded.link_seconds_per_expert(link) * 1e3  # per bf16 expert (the default link is per byte)
     host = host_lane(args, link)

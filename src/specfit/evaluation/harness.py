@@ -21,7 +21,7 @@ from ..stats.counters import Counters
 if TYPE_CHECKING:  # annotations only: the module is imported to parse the commands' options, without torch
     import torch
 
-ORACLE = "acceptance-oracle"  # the assistant evaluation/oracle.py registers (imported where methods run: it needs torch)
+ORACLE = "acceptance-oracle"  # the assistant decoding/oracle.py registers (imported where methods run: it needs torch)
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ METHODS = {
     "eagle3-copy": Method("EAGLE-3, copies only", "eagle3", cold="copy"),
     "specfit-copy": Method("SpecFit, copies only", "specfit", cold="copy"),
     "ar-host": Method("AR, host only", None, cold="host"),
-    # the limit of any subtree rule: verifies the path the target accepts, found by a look-ahead (evaluation/oracle)
+    # the limit of any subtree rule: verifies the path the target accepts, found by a look-ahead (decoding/oracle)
     ORACLE: Method("Acceptance oracle*", ORACLE),
 }
 PAPER_METHODS = ("ar", "eagle3-vanilla", "eagle3", "specfit")
@@ -71,14 +71,15 @@ GENERATE = {name: dict(m.generate) for name, m in METHODS.items()}
 def link_seconds(link_ms: float | None):
     """(``LinkConfig``, how it was set) of the emulated link for a demo or bench run: ``--link-ms`` when given, else
     the embedded model's structural default (``embedded.default_link``: a token's full expert demand costs 1.4x its
-    compute on this machine, as on the paper's A100), measured now."""
+    compute on this machine, as on the paper's A100), measured once per machine and kept (``embedded.link_store``)."""
     from .. import embedded
     from ..offload.link import LinkConfig
 
     if link_ms is not None:
         return LinkConfig(seconds_per_expert=link_ms / 1e3), "given (--link-ms)"
     return embedded.default_link(), (f"default: 1.4 x one token's compute ({embedded.token_compute_seconds() * 1e3:.2f}"
-                                     f" ms, measured now) / (layers x top-k)")
+                                     f" ms, kept for this machine; `specfit calibrate` measures it again) / "
+                                     f"(layers x top-k)")
 
 
 @dataclass
@@ -177,7 +178,7 @@ def interleave(models: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int
     produce the first method's tokens (greedy decoding)."""
     import torch
 
-    from . import oracle  # noqa: F401  registers the "acceptance-oracle" assistant, a method above
+    from ..decoding import oracle  # noqa: F401  registers the "acceptance-oracle" assistant, a method above
 
     assistants = assistants if assistants is not None else {m: ASSISTANT[m] for m in models}
     own = {m: GENERATE.get(m, {}) if isinstance(m, str) else {} for m in models}  # a method's own keywords

@@ -463,6 +463,8 @@ def _experts_outside_graph(self, hidden_states, top_k_index, top_k_weights):
 
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     layer = getattr(self, ATTR, None)
+    if layer is None and hf_experts.built_from_enabled(self):  # a plain model built from an enabled model's config
+        return hf_experts.plain_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     if layer is None:
         raise RuntimeError(
             f"{type(self).__name__} runs the 'specfit' experts implementation but has no SpecFit runtime attached; "

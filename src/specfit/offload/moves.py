@@ -7,6 +7,10 @@ place, and the next forward would fail (or mix dtypes). The guard sits on the mo
 to an experts module (``model.model.layers[3].to(...)`` is caught too). It asks ``fn`` what it would do to a tensor
 like the model's weights (an empty probe): a move that changes nothing (``.float()`` on a float32 model, ``.cpu()``
 on a CPU model) runs as before. ``remove`` takes the guards off (``specfit.disable``).
+
+A cast of the whole model's dtype (``model.half()``, ``model.to(torch.bfloat16)``) is handed to ``cast`` (given by
+``enable``: ``patch._cast``), which does it where it can (SpecFit disabled, the model cast, SpecFit enabled again
+with the same settings) and returns None where it cannot; then it is refused as any other move.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from ..seam import layers as hf_layers
 ATTR = "_apply"
 
 
-def install(model, runtime) -> None:
+def install(model, runtime, cast=None) -> None:
     names = {id(m): n for n, m in model.named_modules()}
     guarded = {""}
     for moe in hf_layers.moe_layers(model):
@@ -26,7 +30,7 @@ def install(model, runtime) -> None:
         guarded.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
     for name in sorted(guarded):
         module = model.get_submodule(name)
-        setattr(module, ATTR, _guard(module, model, runtime))
+        setattr(module, ATTR, _guard(module, model, runtime, cast))
 
 
 def remove(model) -> None:
@@ -34,7 +38,7 @@ def remove(model) -> None:
         vars(module).pop(ATTR, None)
 
 
-def _guard(module, model, runtime):
+def _guard(module, model, runtime, cast):
     own = type(module)._apply
 
     def _apply(fn, *args, **kwargs):
@@ -42,6 +46,10 @@ def _guard(module, model, runtime):
         probe = torch.empty(0, dtype=weight.dtype, device=weight.device)
         moved = fn(probe)  # a move that cannot happen at all (.cuda() without CUDA) raises here, as on the plain model
         if isinstance(moved, torch.Tensor) and (moved.dtype != probe.dtype or moved.device != probe.device):
+            if module is model and moved.device == probe.device and cast is not None:  # the whole model's dtype
+                done = cast(model, lambda: own(module, fn, *args, **kwargs), moved.dtype)
+                if done is not None:
+                    return done
             raise RuntimeError(refusal(runtime, probe, moved))
         return own(module, fn, *args, **kwargs)
 

@@ -8,9 +8,10 @@ import copy
 
 import torch
 from torch import nn
-from transformers.integrations.moe import ExpertsInterface
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
-__all__ = ["EXPERTS_IMPL", "register_experts_implementation", "experts_implementation", "set_experts_implementation",
+__all__ = ["EXPERTS_IMPL", "EnabledName", "enabled_name", "built_from_enabled", "plain_experts_forward",
+           "register_experts_implementation", "experts_implementation", "set_experts_implementation",
            "own_config", "restore_config", "expert_activation", "experts_forward_batched", "grouped_mm",
            "experts_forward_grouped", "transformers_experts_forward"]
 
@@ -24,6 +25,34 @@ def register_experts_implementation(forward) -> None:
 
 def experts_implementation(model) -> str | None:
     return model.config._experts_implementation
+
+
+class EnabledName(str):
+    """``"specfit"`` as an enabled model's config holds it, carrying the implementation the model had before
+    (``previous``). A model built from that config (``type(model)(model.config)``, ``from_config``, which deep-copies
+    it: the copy keeps the mark) has no SpecFit runtime on its experts and runs ``previous``, as the plain model did.
+    The name typed by hand is a plain str, and is refused. config.json never holds it (transformers leaves the
+    internal attribute out of ``to_dict``)."""
+
+    previous: str | None = None
+
+
+def enabled_name(previous: str | None) -> EnabledName:
+    name = EnabledName(EXPERTS_IMPL)
+    name.previous = previous
+    return name
+
+
+def built_from_enabled(experts: nn.Module) -> bool:
+    """Whether ``experts`` reads an enabled model's config (or a copy of it) without being enabled itself."""
+    return isinstance(getattr(getattr(experts, "config", None), "_experts_implementation", None), EnabledName)
+
+
+def plain_experts_forward(experts: nn.Module, *args, **kwargs) -> torch.Tensor:
+    """transformers' forward of ``experts`` under the implementation its config had before ``enable``."""
+    forward = getattr(type(experts).forward, "__wrapped__", type(experts).forward)
+    previous = experts.config._experts_implementation.previous
+    return ALL_EXPERTS_FUNCTIONS.get_interface(previous or "eager", forward)(experts, *args, **kwargs)
 
 
 def set_experts_implementation(model, name: str, forward=None) -> None:

@@ -73,7 +73,7 @@ def make_drafter(target, d2t, t2d, intermediate_size: int = 512,
 
 def check_arguments(args) -> None:
     """Every option, before anything heavy is imported: the target folder, the counts, the rates."""
-    config = cli_checks.folder(args.target, "--target", must_hold="config.json") / "config.json"
+    config = cli_checks.moe_folder(args.target, "--target") / "config.json"
     vocab = json.loads(config.read_text()).get("vocab_size")
     cli_checks.at_least(args, 1, "steps", "num_prompts", "max_new_tokens", "draft_vocab", "ttt_steps",
                         "intermediate_size", "batch_size", "eval_every", "ckpt_every", "eval_new_tokens",
@@ -88,6 +88,9 @@ def check_arguments(args) -> None:
         cli_checks.folder(args.data_dir, "--data-dir")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out!r} is a file; it names the folder for the drafter")
+    cli_checks.writable(args.out, "--out")
+    if args.work_dir:
+        cli_checks.writable(args.work_dir, "--work-dir")
 
 
 def main(args) -> int:

@@ -31,13 +31,17 @@ def check_arguments(args) -> None:
     from ..embedded.paths import DRAFTER_DIR
 
     if args.model:
-        cli_checks.folder(args.model, "--model", must_hold="config.json")
+        cli_checks.moe_folder(args.model, "--model")
     if args.drafter:
         cli_checks.folder(args.drafter, "--drafter", must_hold="config.json")
     if args.out is None and args.drafter is None:
         raise ValueError(f"--out is needed with the embedded drafter (the default would write into the installed "
                          f"package); to replace the shipped route predictor in a source checkout: --out "
                          f"{DRAFTER_DIR}")
+    if args.out is not None:
+        cli_checks.writable(args.out, "--out")
+    elif args.drafter is not None:
+        cli_checks.writable(args.drafter, "--drafter")  # without --out the predictor is saved there
     cli_checks.at_least(args, 2, "num_prompts", why="half GSM8K questions, half OpenStax passages")
     cli_checks.at_least(args, 1, "max_new_tokens", "epochs", "threads")
 

@@ -99,6 +99,9 @@ def check_arguments(args) -> None:
         cli_checks.folder(args.data_dir, "--data-dir")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out!r} is a file; it names the folder for the final model")
+    cli_checks.writable(args.out, "--out")
+    if args.work_dir:
+        cli_checks.writable(args.work_dir, "--work-dir")
 
 
 def main(args) -> int:

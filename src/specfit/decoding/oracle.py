@@ -14,8 +14,8 @@ Greedy only: under sampling the accepted path is a draw, not something a look-ah
 raw logits; with logits processors (a repetition penalty, ...) its path can be wrong, and the loop's own verify still
 decides what is committed, so the output stays that of plain ``generate()``.
 
-Registered as ``generate(..., assistant="acceptance-oracle")`` when this module is imported (the harness does, so
-``specfit bench`` and ``specfit.compare`` know the name).
+Registered as ``generate(..., assistant="acceptance-oracle")`` when this module is imported: the generate()
+strategy imports it, so every enabled model knows the name after a plain ``import specfit``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 import torch
 
 from ..seam import kv_cache, layers as hf_layers
-from ..decoding.acceptance import walk_greedy
-from ..decoding.assistants import Eagle3Generator, register_assistant
+from .acceptance import walk_greedy
+from .assistants import Eagle3Generator, register_assistant
 from ..drafting.tree import DraftTree, verify_layout
 from ..selection.route_sources import Cycle
 from ..transfer import to_host

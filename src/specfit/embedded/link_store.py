@@ -1,0 +1,64 @@
+"""The structural default link's measurement, kept per machine in the user cache beside the cost profiles
+(``default-link.json``), so every run on one machine uses the same seconds per copy and tok/s of two runs compare.
+
+The link is scaled to one token's compute (``embedded.default_link_seconds``), which a CPU's load moved by 3.5x in one
+afternoon (0.156-0.54 ms per copy) when it was measured again at every start. Now it is measured once per machine,
+thread count and model weights, and again only by ``specfit calibrate`` (which fits the profile under it) or
+``default_link_seconds(refresh=True)``. Pure Python: JSON in, JSON out.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+FILE_NAME = "default-link.json"
+
+
+def path() -> Path:
+    from ..selection.profile_files import cache_root
+
+    return cache_root() / FILE_NAME
+
+
+def key(threads: int, weights: Path) -> str:
+    """One entry per machine (the name profiles are filed under on a CPU), thread count and weights file (its size:
+    a retrained model computes at another speed)."""
+    machine = platform.processor() or platform.machine()
+    size = weights.stat().st_size if weights.is_file() else 0
+    return f"{machine} | threads={threads} | weights={size}"
+
+
+def read(entry: str) -> tuple[float, float] | None:
+    """(seconds per copy, one token's compute seconds) stored for ``entry``, None when none is (or the file is not
+    SpecFit's: it is measured again and rewritten)."""
+    try:
+        stored = json.loads(path().read_text())[entry]
+        return float(stored["seconds_per_copy"]), float(stored["token_compute_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write(entry: str, seconds_per_copy: float, compute: float) -> None:
+    """Keep a measurement for the next runs; a cache that cannot be written is said once (this run keeps its value)."""
+    file = path()
+    try:
+        stored = json.loads(file.read_text()) if file.is_file() else {}
+        if not isinstance(stored, dict):
+            stored = {}
+    except (OSError, ValueError):
+        stored = {}
+    stored[entry] = dict(seconds_per_copy=seconds_per_copy, token_compute_seconds=compute,
+                         measured=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        scratch = file.with_suffix(".tmp")
+        scratch.write_text(json.dumps(stored, indent=1) + "\n")
+        scratch.replace(file)
+    except OSError as err:
+        warnings.warn(f"the default link's measurement could not be kept in {file} ({err.strerror or err}); the next "
+                      f"run will measure it again and may differ (set SPECFIT_CACHE to a folder you can write)",
+                      stacklevel=3)
