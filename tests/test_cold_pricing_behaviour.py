@@ -16,7 +16,7 @@ LINK = 1e-4  # seconds per expert copy
 LANE = HostConfig(bandwidth=2e9)  # ~12 us per tiny expert: cheaper than a copy
 # copies dear against the cycle's intercepts (a cold expert's copy ~ a fifth of a cycle), the lane cheap
 COST = CostModel(intercepts=(1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14), beta=0.002, copy_overhead=0.2,
-                 link_share=1.0, host_overhead=0.002, host_share=1.0)
+                 link_share=1.0, host_overhead=0.002, host_share=0.5)
 
 
 def enabled(cold):
@@ -32,7 +32,7 @@ def test_the_resolved_cost_model_prices_a_cold_expert_at_the_cheaper_lane():
     for cold in ("copy", "host", "auto"):
         model = enabled(cold)
         lane = LANE.expert_time(model.specfit.store.expert_bytes)
-        host = COST.host_overhead + lane
+        host = COST.host_overhead + COST.host_share * lane
         assert host < copy / 10
         resolved = resolve_cost_model(model)
         assert resolved.miss == pytest.approx(copy if cold == "copy" else host, rel=1e-12), cold
