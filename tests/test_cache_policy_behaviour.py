@@ -111,3 +111,24 @@ def test_frequency_over_age_stays_exact_over_a_long_run():
     took = next((n for n in range(1, 200) if book.plan([5, 6]) and sorted(book.resident) == [5, 6]), None)
     first = next(n for n in range(1, 200) if n > PLANS / (n + 1) and n > 4990 / (n + 11))
     assert took == first and took <= 100, (took, first)
+
+
+# --- what the frequency policies rank by ----------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["frequency", "frequency-age", "forecast"])
+def test_the_likelier_of_two_misses_takes_the_one_slot(policy):
+    """One slot; 2 was used three times, then 3 took the slot once. A forward needing 2 and 4 (never used): 2 takes
+    the slot back, 4 is streamed, whichever order they are asked in."""
+    for needed in ([2, 4], [4, 2]):
+        book = SlotBook(1, 8, make_policy(policy, 8))
+        for used in ([2], [2], [2], [3]):
+            book.plan(used)
+        plan = book.plan(needed)
+        assert (plan.loads, plan.streamed, plan.evicted) == (((2, 0),), (4,), (3,)), (policy, needed)
+
+
+@pytest.mark.parametrize("policy", ["frequency", "frequency-age", "forecast"])
+def test_a_use_by_many_tokens_weighs_more(policy):
+    """A forward's use of an expert weighs 1 + 0.1 x (its tokens - 1): a prompt's use by 11 tokens counts 2."""
+    book = SlotBook(4, 8, make_policy(policy, 8))
+    book.plan([0, 1, 2], uses=[11, 1, 3])
+    assert [book.score(e) for e in (0, 1, 2, 3)] == pytest.approx([2.0, 1.0, 1.2, 0.0])

@@ -2,14 +2,18 @@
 from the rule's answer and from the counters of an enabled tiny Qwen3-MoE (fp32, CPU, emulated link and lane), not
 from the implementation. Each test was checked to fail with its behaviour broken (the issue's planting table)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import SelfDrafter, tiny_moe, tiny_moe_config
 
 import specfit
-from specfit.offload.cold import choose_host
+from specfit.offload.cold import ReuseEstimate, choose_host
+from specfit.offload.experts import LayerRuntime
 from specfit.offload.host_compute import ROWS_WITH_ROUTES, ThreadedLane
 from specfit.offload.host_lane import HostConfig
+from specfit.offload.slots import SlotBook
 from specfit.selection.cost_model import CostModel
 
 CONFIG = tiny_moe_config()
@@ -35,6 +39,65 @@ def test_auto_values_a_later_use_at_the_cheaper_of_a_copy_and_the_lane():
     dear = lambda tokens: 2.5  # noqa: E731
     assert choose_host([5], {5: 1}, 1.0, dear, {5: 0.8}.get, [0.0], link_busy=3.0) == [5]
     assert choose_host([5], {5: 1}, 1.0, dear, {5: 1.2}.get, [0.0], link_busy=3.0) == []
+
+
+def test_the_auto_rule_by_its_terms():
+    """Each term of the rule decides one case (copy 1.0 s, nothing queued on the link unless said)."""
+    lane = lambda tokens: 0.4  # noqa: E731
+    nothing = lambda e: 0.0  # noqa: E731
+    # the second copy is valued over its own victim (reused 3.0: worth nothing), the first over a free slot
+    assert choose_host([1, 2], {1: 1, 2: 1}, 1.0, lane, {1: 3.0, 2: 3.0}.get, [0.0, 3.0]) == [2]
+    # the most reusable is valued first: 2 (3 uses) takes the free slot, 1 (1 use) would evict a victim of 0.5 uses
+    assert choose_host([1, 2], {1: 1, 2: 1}, 1.0, lane, {1: 1.0, 2: 3.0}.get, [0.0, 0.5]) == [1]
+    # a copy that costs nothing now (the link would idle beside the lane) is taken even when worth nothing later:
+    # two experts at half a copy each
+    assert choose_host([1, 2], {1: 1, 2: 1}, 1.0, lambda t: 0.5, nothing, [0.0, 0.0]) == [2]
+    # where the lane is the layer's bottleneck (3 x 0.6 s), a copy shortens the layer: taken even over a victim
+    # reused half a time (worth -0.3 later, -0.6 now)
+    assert choose_host([1, 2, 3], {1: 1, 2: 1, 3: 1}, 1.0, lambda t: 0.6, nothing, [0.5] * 3) == [2, 3]
+    # an expert with many tokens is dear on the lane: copied first
+    assert choose_host([1, 2], {1: 9, 2: 1}, 1.0, lambda t: 0.1 * t, nothing, [0.0, 0.0]) == [2]
+
+
+def test_reuse_is_the_expected_uses_in_the_coming_forwards():
+    """An expert used in every forward for long is expected in all ``horizon`` (8) coming forwards; in every other
+    forward, in about half; 10 forwards after its last use, in 0.8**10 of them."""
+    r = ReuseEstimate()
+    for t in range(60):
+        r.observe([1] + ([2] if t % 2 else []))
+    assert r.reuse(1) == pytest.approx(8.0, rel=1e-4)
+    assert r.reuse(2) == pytest.approx(8 * 0.2 / (1 - 0.64), rel=1e-4)  # 4.44: the decay favours recent uses
+    for _ in range(10):
+        r.observe([3])
+    assert r.reuse(1) == pytest.approx(8.0 * 0.8 ** 10, rel=1e-4) and r.reuse(4) == 0.0
+
+
+def test_auto_weighs_a_copy_against_the_hot_expert_it_would_evict():
+    """A full slot cache of experts used in every forward: a cold expert used as often is not worth evicting one of
+    them (the lane computes it); with a free slot the same expert is copied."""
+    for free in (False, True):
+        book = SlotBook(num_slots=2 + free, num_experts=8)
+        reuse = ReuseEstimate()
+        for _ in range(20):
+            book.plan([0, 1])
+            reuse.observe([0, 1, 5])
+        runtime = SimpleNamespace(cold="auto", copy_seconds=lambda: 1.0, host_seconds=lambda t=1: 0.4,
+                                  link_busy=lambda: 0.0)
+        layer = SimpleNamespace(runtime=runtime, cache=SimpleNamespace(lru=book), reuse=reuse)
+        assert LayerRuntime._cold(layer, [0, 5], {0: [0], 5: [1]}) == ([] if free else [5]), free
+
+
+def test_a_lane_dear_per_token_leaves_a_long_prompt_to_the_link():
+    """The rule prices each host expert at its own tokens: with a lane of 0.2 copies per token, a 40-token prompt's
+    experts (about 10 tokens each) are mostly copied, a decode step's (one token each) go to the lane."""
+    link = 1e-3
+    model = specfit.enable(tiny_moe(), cache_slots=4, link=link, cold="auto",
+                           host=HostConfig(bandwidth=1e30, per_token=0.2 * link))
+    prompt = torch.randint(2, 256, (1, 40), generator=torch.Generator().manual_seed(40))
+    model.generate(prompt, max_new_tokens=3, do_sample=False)
+    prefill, decode = model.specfit.stats.last_prefill, model.specfit.stats.last_generate
+    assert prefill.misses > 2 * prefill.host_experts, prefill
+    assert decode.host_experts > 2 * decode.misses, decode
 
 
 # --- item 2: "auto" decides with the uses before the forward -------------------------------------------------------
