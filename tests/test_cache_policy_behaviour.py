@@ -132,3 +132,15 @@ def test_a_use_by_many_tokens_weighs_more(policy):
     book = SlotBook(4, 8, make_policy(policy, 8))
     book.plan([0, 1, 2], uses=[11, 1, 3])
     assert [book.score(e) for e in (0, 1, 2, 3)] == pytest.approx([2.0, 1.0, 1.2, 0.0])
+
+
+@pytest.mark.parametrize("policy, kept", [("lru", [2, 3, 4]), ("frequency", [0, 3, 4]), ("frequency-age", [0, 3, 4]),
+                                          ("forecast", [0, 3, 4])])
+def test_two_misses_evict_the_two_weakest(policy, kept):
+    """Three slots: 0 used three times, then 1, then 2. Two new experts evict the least recently used two (LRU) or
+    the two least used lately (1 and 2: the frequency policies keep 0)."""
+    book = SlotBook(3, 8, make_policy(policy, 8))
+    for needed in ([0], [0], [0], [1], [2]):
+        book.plan(needed)
+    book.plan([3, 4])
+    assert sorted(book.resident) == kept

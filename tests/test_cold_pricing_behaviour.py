@@ -49,3 +49,16 @@ def test_specfit_verifies_more_nodes_per_cycle_where_a_cold_expert_costs_the_lan
         c = model.specfit.stats.last_generate
         verified[cold] = c.nodes_verified / c.cycles
     assert verified["auto"] > 1.5 * verified["copy"] and verified["host"] > 1.5 * verified["copy"], verified
+
+
+def test_host_prices_the_lane_even_where_a_copy_is_cheaper():
+    """cold="host" computes every cold expert on the lane, so its price is the lane's even where a copy would be
+    cheaper; "auto" takes the cheaper of the two, there the copy."""
+    cheap_copies = CostModel(COST.intercepts, COST.beta, copy_overhead=0.0, link_share=1.0, host_overhead=0.002,
+                             host_share=0.5)
+    for cold in ("host", "auto"):
+        model = tiny_moe()
+        specfit.enable(model, cache_slots=4, link=LINK, host=LANE, cold=cold, cost_model=cheap_copies)
+        host = 0.002 + 0.5 * LANE.expert_time(model.specfit.store.expert_bytes)
+        assert LINK < host
+        assert resolve_cost_model(model).miss == pytest.approx(host if cold == "host" else LINK, rel=1e-12), cold

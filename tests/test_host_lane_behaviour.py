@@ -2,6 +2,7 @@
 from the rule's answer and from the counters of an enabled tiny Qwen3-MoE (fp32, CPU, emulated link and lane), not
 from the implementation. Each test was checked to fail with its behaviour broken (the issue's planting table)."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -55,6 +56,9 @@ def test_the_auto_rule_by_its_terms():
     # where the lane is the layer's bottleneck (3 x 0.6 s), a copy shortens the layer: taken even over a victim
     # reused half a time (worth -0.3 later, -0.6 now)
     assert choose_host([1, 2, 3], {1: 1, 2: 1, 3: 1}, 1.0, lambda t: 0.6, nothing, [0.5] * 3) == [2, 3]
+    # four experts at 0.9 of a copy: two copied beside two on the lane (the layer ends at 2.0 s, not 3.6); each copy
+    # takes its expert's time off the lane
+    assert choose_host([1, 2, 3, 4], {e: 1 for e in (1, 2, 3, 4)}, 1.0, lambda t: 0.9, nothing, [0.0] * 4) == [3, 4]
     # an expert with many tokens is dear on the lane: copied first
     assert choose_host([1, 2], {1: 9, 2: 1}, 1.0, lambda t: 0.1 * t, nothing, [0.0, 0.0]) == [2]
 
@@ -85,6 +89,13 @@ def test_auto_weighs_a_copy_against_the_hot_expert_it_would_evict():
                                   link_busy=lambda: 0.0)
         layer = SimpleNamespace(runtime=runtime, cache=SimpleNamespace(lru=book), reuse=reuse)
         assert LayerRuntime._cold(layer, [0, 5], {0: [0], 5: [1]}) == ([] if free else [5]), free
+    # every slot held by an expert the forward needs: a copy would be streamed, worth nothing later (the lane)
+    book, reuse = SlotBook(num_slots=2, num_experts=8), ReuseEstimate()
+    for _ in range(20):
+        book.plan([0, 1])
+        reuse.observe([0, 1, 5])
+    layer = SimpleNamespace(runtime=runtime, cache=SimpleNamespace(lru=book), reuse=reuse)
+    assert LayerRuntime._cold(layer, [0, 1, 5], {0: [0], 1: [1], 5: [2]}) == [5]
 
 
 def test_a_lane_dear_per_token_leaves_a_long_prompt_to_the_link():
@@ -130,6 +141,13 @@ def test_the_lane_is_charged_for_every_routed_token():
     c = model.specfit.stats.total
     assert c.host_experts == c.demand > 0 and c.misses == 0
     assert c.host_busy_seconds == pytest.approx(LAYERS * 8 * TOP_K * per_token, rel=1e-9)
+    # and the forward waits for it: a lane at 2.5 ms per token holds an 8-token forward for at least 0.32 s
+    slow = 2.5e-3
+    model = specfit.enable(tiny_moe(), cache_slots=4, host=HostConfig(bandwidth=1e30, per_token=slow), cold="host")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(prompt)
+    assert time.perf_counter() - t0 >= LAYERS * 8 * TOP_K * slow
 
 
 # --- item 4: the real (threaded) lane under "auto": decode and verify use it, a long prefill does not --------------
