@@ -72,8 +72,8 @@ def decayed(uses, now, decay=0.9):
 def test_the_decayed_frequency_stays_exact_past_its_rescale(policy):
     """5,000 plans of two slots: expert 0 every plan, 1 every other, 2 every third plan up to plan 4,900. The scores
     after are the decayed sums computed directly; a forecast still adds its tokens; a new pair of experts (5, 6),
-    used every plan from then on, takes both slots of a bypassing book within a few tens of plans: once it outscores the residents (0 at ~10 and 1
-    at ~5.3, each decaying; a newcomer at (1 - 0.9**n) / 0.1: the 7th plan)."""
+    used every plan from then on, takes both slots of a bypassing book within a few tens of plans: once it outscores
+    the residents (0 at ~10 and 1 at ~5.3, each decaying; a newcomer at (1 - 0.9**n) / 0.1: the 7th plan)."""
     book = SlotBook(2, 8, make_policy(policy, 8))
     bypass = SlotBook(2, 8, DecayedFrequency(8, bypass=True))
     history = {0: [], 1: [], 2: []}
