@@ -99,6 +99,9 @@ class Counters:
     forecast_cycles: int = 0  # cycles that came with a predicted time (SpecFit's; AR and EAGLE-3: none)
     cost_refresh_cycles: int = 0  # forecast cycles whose wall clock the cost model learned from online
     guard_eagle_cycles: int = 0  # cycles SpecFit's dominance guard ran EAGLE-3's way
+    # a batch (assistant decoding of several rows): rows verified, summed over cycles (rows in flight per cycle =
+    # batch_row_cycles / cycles); finished rows are not verified again. Batch 1 counts 0 here.
+    batch_row_cycles: int = 0
     new_tokens: int = 0  # tokens returned by generate (AR too)
     prefill_seconds: float = 0.0  # wall clock from generate()'s entry to the end of the prompt's forward
     decode_seconds: float = 0.0  # wall clock of everything generate() did after the prefill (oracle included)
