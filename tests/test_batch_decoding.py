@@ -67,6 +67,9 @@ def test_batch_greedy_equals_plain_generate(assistant):
     stats = model.specfit.stats
     assert stats.last_rows == [14, 14, 14] and stats.last_generate.new_tokens == 42
     assert stats.last_generate.cycles < 3 * 14  # trees committed more than one token per row and cycle
+    assert stats.last_generate.batch_row_cycles > stats.last_generate.cycles  # several rows per verify forward
+    if assistant == "specfit":  # the batch rule chose the subtrees and forecast the cycles
+        assert stats.last_generate.forecast_cycles > 0
 
 
 def test_batch_rows_stop_on_their_own():

@@ -3,9 +3,12 @@ and the batch's output padded as plain ``generate()`` pads it."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..drafting.tree import DraftTree
+from ..selection.batch_rule import RowPool, select_batch
+from .assistants import SpecFitGenerator
 
 
 class RowTrees:
@@ -13,11 +16,18 @@ class RowTrees:
     drafter module is shared (its per-row state is the row's ``TreeDrafter`` cache)."""
 
     def __init__(self, model, assistant, rows: int):
+        self.runtime = model.specfit
         self.gens = [assistant(model) for _ in range(rows)]
+        self.batch_rule = all(isinstance(g, SpecFitGenerator) for g in self.gens)
+        for gen in self.gens:
+            if isinstance(gen, SpecFitGenerator):
+                gen.guard = None  # the guard learns one row's clock; a batch cycle's clock is every row's
         self.pool, self.expected, self.predicted = 0, 0.0, None
+        self.last = None  # the batch rule's last BatchSelection
 
     def draft_and_select(self, active: list[int], cycles) -> list[tuple[DraftTree, tuple[int, ...]]]:
-        """Every active row's pool and the subtree of it to verify (each row's generator decides)."""
+        """Every active row's pool and the subtree of it to verify: each row's generator decides alone (EAGLE-3),
+        or, with SpecFit's, the batch rule re-chooses every row's subtree against the batch's union."""
         chosen = []
         for b, cycle in zip(active, cycles):
             gen = self.gens[b]
@@ -25,7 +35,38 @@ class RowTrees:
             chosen.append((tree, tuple(sorted(gen.select(tree, cycle)))))
         self.pool = sum(len(tree) for tree, _ in chosen)
         self.expected = sum(self.gens[b].expected_tokens for b in active)
+        self.predicted = None
+        if self.batch_rule and len(active) > 1 and any(len(tree) for tree, _ in chosen):
+            chosen = self._batch_rule(active, cycles, chosen)
         return chosen
+
+    def _batch_rule(self, active, cycles, chosen):
+        """Every row's pool, values and routes priced together (``selection/batch_rule.py``); the slot caches'
+        forecast is every row's pool."""
+        pools, values_all, routes_all = [], [], []
+        gens = [self.gens[b] for b in active]
+        levels = max(g.levels for g in gens)
+        for gen, cycle, (tree, _) in zip(gens, cycles, chosen):
+            if not len(tree):  # this row skipped drafting (its backoff): it verifies its root alone
+                pools.append(None)
+                continue
+            node_routes, root_routes = gen.routes(cycle, tree)  # [N, L, E], [L, E] (host, kept by the drafter)
+            values = list(gen.values) if gen.calibrated else list(tree.path_probs)
+            pools.append(RowPool(tree.parents, values, node_routes, root_routes, gen.max_nodes))
+            values_all += values
+            routes_all.append(node_routes)
+        shape = next(p.root_routes.shape for p in pools if p is not None)
+        pools = [p if p is not None else RowPool([], [], np.zeros((0, *shape), bool), np.zeros(shape, bool), 0)
+                 for p in pools]
+        cost = gens[0].cost
+        drafting = cost.drafting_seconds(levels) if cost.draft_levels and levels else 0.0
+        base = cost.at_levels(levels).intercepts if cost.draft_levels and levels else cost.intercepts
+        intercepts = [a + (len(active) - 1) * drafting for a in base]  # every row drafted its own levels
+        resident = self.runtime.resident_mask() if cost.miss else None
+        self.last = pick = select_batch(pools, intercepts, cost.beta, cost.miss, resident)
+        self.runtime.expect_tree(values_all, np.concatenate(routes_all))  # the forecast: every row's pool
+        self.expected, self.predicted = pick.expected_tokens, pick.predicted_time
+        return [(tree, nodes) for (tree, _), nodes in zip(chosen, pick.nodes)]
 
     def timed(self, active, seconds, forward, committed) -> None:
         """A batch cycle's clock belongs to every row at once: no row's cost model learns from it."""
