@@ -45,8 +45,9 @@ class RowSelfDrafters(torch.nn.Module):
     def forward(self, input_ids, hidden, position_ids, cache=None, attention_mask=None):
         row = next((k for k, c in enumerate(self.caches) if c is cache), None)
         if row is None:
-            row = len(self.caches) % len(self.rows)
+            row = len(self.caches)
             self.caches.append(cache)
+        row %= len(self.rows)
         return self.rows[row](input_ids, hidden, position_ids, cache=cache, attention_mask=attention_mask)
 
 
@@ -130,3 +131,17 @@ def test_bad_batches_refused_before_any_work(bad, message):
     with pytest.raises(ValueError, match=message):
         model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, assistant="specfit", **kw)
     assert model.specfit.stats.total.forwards == forwards  # refused before any forward
+
+
+def test_compare_takes_a_batch():
+    """``specfit.compare(..., batch=2)``: one generate() call per left-padded pair of prompts, every method's tokens
+    equal (the harness checks it), tok/s of the batch's new tokens."""
+    ids, mask = padded_batch(lengths=(5, 11))
+    prompts = [ids[b][mask[b].bool()][None] for b in range(2)]
+    model = enabled(ids, mask)
+    rows = specfit.compare(model, None, prompts, max_new_tokens=6, warmup=False, as_frame=False, batch=2)
+    assert [r["method"] for r in rows] == ["ar", "eagle3", "specfit"]
+    for row in rows:
+        assert row["new_tokens"] == 12 and row["tok_s"] == pytest.approx(12 / row["seconds"], rel=0.01)
+    with pytest.raises(ValueError, match="batch must be an integer >= 1"):
+        specfit.compare(model, None, prompts, max_new_tokens=6, warmup=False, as_frame=False, batch=0)
