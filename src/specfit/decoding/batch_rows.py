@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ..drafting.tree import DraftTree
-from ..selection.batch_rule import RowPool, select_batch
+from ..selection.batch_rule import RowPool, fixed_time, select_batch
 from .assistants import SpecFitGenerator
 
 
@@ -38,7 +38,21 @@ class RowTrees:
         self.predicted = None
         if self.batch_rule and len(active) > 1 and any(len(tree) for tree, _ in chosen):
             chosen = self._batch_rule(active, cycles, chosen)
+        elif self.batch_rule:
+            self.predicted = self._predict_roots(active)
         return chosen
+
+    def _predict_roots(self, active) -> float | None:
+        """The forecast of a cycle the batch rule did not price: one row left (its own forecast), or every row
+        verifying its root alone (a plain batch step: the roots' fixed time, with the demand and cold experts of the
+        batch's last forward, which each row's generator keeps as its root's)."""
+        gen = self.gens[active[0]]
+        if len(active) == 1:
+            return gen.predicted_seconds
+        cost = gen.cost
+        intercepts = cost.at_levels(0).intercepts if cost.draft_levels else cost.intercepts
+        demand, misses = gen._root
+        return fixed_time(intercepts, len(active)) + cost.beta * demand + cost.miss * misses
 
     def _batch_rule(self, active, cycles, chosen):
         """Every row's pool, values and routes priced together (``selection/batch_rule.py``); the slot caches'
