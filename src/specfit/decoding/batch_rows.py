@@ -11,6 +11,9 @@ from ..selection.batch_rule import RowPool, fixed_time, select_batch
 from .assistants import SpecFitGenerator
 
 
+EXTRA_RATE = 0.3  # weight of the newest cycle in the learned unexplained seconds
+
+
 class RowTrees:
     """One generator per prompt row (``assistant(model)``), each drafting from its own committed tokens; the
     drafter module is shared (its per-row state is the row's ``TreeDrafter`` cache)."""
@@ -24,6 +27,9 @@ class RowTrees:
                 gen.guard = None  # the guard learns one row's clock; a batch cycle's clock is every row's
         self.pool, self.expected, self.predicted = 0, 0.0, None
         self.last = None  # the batch rule's last BatchSelection
+        # seconds per batch cycle the profile does not explain (every row's drafting, selection and bookkeeping in
+        # Python), learned from the clock of the cycles the batch rule priced and charged as fixed time
+        self.extra, self._priced = 0.0, None
 
     def draft_and_select(self, active: list[int], cycles) -> list[tuple[DraftTree, tuple[int, ...]]]:
         """Every active row's pool and the subtree of it to verify: each row's generator decides alone (EAGLE-3),
@@ -75,15 +81,22 @@ class RowTrees:
         cost = gens[0].cost
         drafting = cost.drafting_seconds(levels) if cost.draft_levels and levels else 0.0
         base = cost.at_levels(levels).intercepts if cost.draft_levels and levels else cost.intercepts
-        intercepts = [a + (len(active) - 1) * drafting for a in base]  # every row drafted its own levels
+        intercepts = [a + (len(active) - 1) * drafting + self.extra for a in base]  # every row drafted its levels
         resident = self.runtime.resident_mask() if cost.miss else None
         self.last = pick = select_batch(pools, intercepts, cost.beta, cost.miss, resident)
         self.runtime.expect_tree(values_all, np.concatenate(routes_all))  # the forecast: every row's pool
         self.expected, self.predicted = pick.expected_tokens, pick.predicted_time
+        self._priced = pick.predicted_time - self.extra  # the profile's part, which the residual is learned against
         return [(tree, nodes) for (tree, _), nodes in zip(chosen, pick.nodes)]
 
     def timed(self, active, seconds, forward, committed) -> None:
-        """A batch cycle's clock belongs to every row at once: no row's cost model learns from it."""
+        """A batch cycle's clock belongs to every row at once: no row's cost model learns from it; the batch rule
+        learns what its forecast left out, per cycle (a decayed mean of clock minus forecast, at least 0)."""
+        if self._priced is not None:
+            residual = seconds - self._priced
+            self.extra = max(0.0, residual if self.extra == 0.0 else (1 - EXTRA_RATE) * self.extra +
+                             EXTRA_RATE * residual)
+        self._priced = None
 
 
 def pad_token(config) -> int:
