@@ -147,7 +147,17 @@ def select_batch(rows: Sequence[RowPool], intercepts: Sequence[float], beta: flo
         for b, t in enumerate(tables):
             current = price(picks)[0]
             others = picks[:b] + picks[b + 1:]
-            choice = max(t.options, key=lambda o: price(others + [o])[0])
+            union, expected, nodes = 0, 0.0, 0  # the others' part, fixed while row b searches
+            for chosen, value, bits in others:
+                union, expected, nodes = union | bits, expected + value, nodes + len(chosen)
+
+            def ratio(option):
+                u = union | option[2]
+                seconds = fixed_time(intercepts, count + nodes + len(option[0])) + beta * u.bit_count() + \
+                    miss * (u & cold_mask).bit_count()
+                return (expected + option[1]) / seconds
+
+            choice = max(t.options, key=ratio)
             if price(others + [choice])[0] > current * (1 + 1e-12):
                 picks = others[:b] + [choice] + others[b:]
                 changed = True
