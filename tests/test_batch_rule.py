@@ -1,10 +1,13 @@
 """The batch rule (selection/batch_rule.py): pure, exact when small, coordinate ascent close to exact otherwise."""
 
+import doctest
 import itertools
 
 import numpy as np
 import pytest
 
+from specfit.evaluation import batches
+from specfit.selection import batch_rule
 from specfit.selection.batch_rule import RowPool, fixed_time, select_batch, subtrees
 
 INTERCEPTS = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35)
@@ -106,3 +109,7 @@ def test_coordinate_ascent_close_to_exact():
 def test_fixed_time_extrapolates_the_last_step():
     assert fixed_time(INTERCEPTS, 1) == 1.0 and fixed_time(INTERCEPTS, 8) == 1.35
     assert fixed_time(INTERCEPTS, 10) == pytest.approx(1.45)
+
+
+def test_examples_in_the_docstrings():
+    assert doctest.testmod(batch_rule).failed == 0 and doctest.testmod(batches).failed == 0

@@ -28,10 +28,6 @@ def left_padded(prompt_ids: list[torch.Tensor], batch: int, pad: int) -> list[tu
 
 def pad_id(model) -> int:
     """The token a batch is padded with: the model's pad token, else its (first) EOS token, else 0."""
-    config = model.generation_config
-    for value in (config.pad_token_id, config.eos_token_id):
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0
+    from ..decoding.batch_rows import pad_token
+
+    return pad_token(model.generation_config)
