@@ -25,6 +25,9 @@ class RowTrees:
         for gen in self.gens:
             if isinstance(gen, SpecFitGenerator):
                 gen.guard = None  # the guard learns one row's clock; a batch cycle's clock is every row's
+                # a row's own winner is not what the batch verifies (the batch rule re-chooses): rows prefetching
+                # their own winners would fight over the same slots
+                gen.prefetch = False
         self.pool, self.expected, self.predicted = 0, 0.0, None
         self.last = None  # the batch rule's last BatchSelection
         # seconds per batch cycle the profile does not explain (every row's drafting, selection and bookkeeping in
