@@ -234,8 +234,10 @@ def test_errors():
         model.generate(first.sequences, cache=first.cache, assistant="eagle3", max_new_tokens=3)
     with pytest.raises(ValueError, match="unknown assistant 'medusa'"):
         model.generate(prompt, assistant="medusa")
-    with pytest.raises(ValueError, match="batch size 1"):
-        model.generate(torch.cat([prompt, prompt]), assistant="specfit", max_new_tokens=3)
+    with pytest.raises(ValueError, match="right-padded"):  # a batch decodes (test_batch_decoding.py) if left-padded
+        model.generate(torch.cat([prompt, prompt]), attention_mask=torch.tensor(
+            [[1] * (prompt.shape[1] - 1) + [0], [1] * prompt.shape[1]]),
+                       assistant="specfit", max_new_tokens=3)
     with pytest.raises(ValueError, match="num_beams"):
         model.generate(prompt, assistant="specfit", num_beams=2, max_new_tokens=3)
     bare = specfit.enable(tiny_moe(), cache_slots=2)

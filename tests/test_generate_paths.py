@@ -96,7 +96,6 @@ def test_assistant_model_given_a_name_is_refused():
     (torch.tensor([[5, 7, 256, 9]]), r"token id 256 at position \(0, 2\), outside this model's vocabulary 0\.\.255"),
     (torch.tensor([[5, -3]]), r"token id -3 at position \(0, 1\)"),
     (torch.tensor([[5.0, 7.0]]), "integer token ids"),
-    (torch.randint(2, 256, (2, 5)), "batch size 1"),
 ])
 def test_input_ids_are_checked_before_the_first_forward(ids, message):
     model = enabled()

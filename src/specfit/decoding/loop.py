@@ -27,7 +27,7 @@ from ..selection.route_sources import Cycle
 from .acceptance import walk, walk_greedy
 from .position_noise import PositionNoise
 
-UNSUPPORTED = {"num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False}
+UNSUPPORTED = {"output_attentions": False, "output_hidden_states": False}
 # generation-config fields that make transformers run another method than greedy/sampling, with their neutral values
 OTHER_METHODS = {"prompt_lookup_num_tokens": None, "assistant_early_exit": None, "use_mtp": False, "num_beams": 1,
                  "num_beam_groups": 1, "penalty_alpha": None, "constraints": None, "force_words_ids": None,
@@ -104,9 +104,6 @@ def check_input_ids(model, ids: torch.Tensor) -> None:
     if ids.numel() == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(ids.shape)}): give the prompt at least one token, e.g. "
                          f"the tokenizer's BOS token")
-    if ids.dim() == 2 and ids.shape[0] != 1:
-        raise ValueError(f"assistant decoding runs one sequence at a time (batch size 1), got a batch of "
-                         f"{ids.shape[0]}; loop over the prompts, or use generate() without assistant= for batches")
     vocab = model.get_input_embeddings().weight.shape[0]
     low, high = torch.stack(torch.aminmax(ids)).tolist()
     if low < 0 or high >= vocab:

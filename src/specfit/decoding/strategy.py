@@ -18,6 +18,8 @@ import torch
 from ..seam import experts as hf_experts
 from . import oracle  # noqa: F401  registers "acceptance-oracle": every enabled model knows the name
 from .assistants import resolve_assistant
+from .batch_checks import check_batch_arguments
+from .batch_loop import decode_batch
 from .loop import SAMPLE_MODES, call_config, check_generate_arguments, decode, generate_arguments
 
 _UNSET = object()  # assistant= not passed: the generation config decides (an explicit None means no assistant)
@@ -56,6 +58,7 @@ class SpecFitGenerationMixin:
             return self._plain_generate(named, args, kwargs)
         spec = resolve_assistant(name)
         check_generate_arguments(self, args, kwargs)
+        check_batch_arguments(self, named)  # several rows: padding, lengths, streamer (decoding/batch_checks.py)
         runtime.request, runtime.request_served = spec, False
         try:
             out = super().generate(*args, **kwargs)
@@ -93,6 +96,9 @@ class SpecFitGenerationMixin:
         runtime = getattr(self, "specfit", None)
         if runtime is not None and runtime.request is not None:
             runtime.request_served = True
+            if input_ids.shape[0] > 1:  # a batch, or num_return_sequences > 1: every row's tree in one forward
+                return decode_batch(self, runtime.request, input_ids, logits_processor, stopping_criteria,
+                                    generation_config, streamer=streamer, **model_kwargs)
             return decode(self, runtime.request, input_ids, logits_processor, stopping_criteria, generation_config,
                           streamer=streamer, **model_kwargs)
         scope = None if runtime is None else runtime.stats.scope or runtime.stats.begin_generate()

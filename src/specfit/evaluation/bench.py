@@ -55,6 +55,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cnn-prompts", type=int, default=40, help="CNN/DailyMail articles (the paper: the first 40)")
     p.add_argument("--gsm8k-prompts", type=int, default=80, help="GSM8K questions (the paper: the first 80)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--batch", type=int, default=1,
+                   help="prompts per generate() call, left-padded (docs/batch.md); tok/s is then the batch's")
     p.add_argument("--slots", nargs="+", default=list(SLOTS),
                    help="expert slots per layer of the embedded model's 64, or 'none' (no cache: every slot emptied "
                         "before each forward); 24 / 12 / 6 are the paper's 48 / 24 / 12 of 128")
@@ -99,7 +101,7 @@ def check_arguments(args) -> None:
     from ..embedded.paths import TARGET_DIR
 
     regime_map.check_arguments(args)
-    cli_checks.at_least(args, 1, "cnn_prompts", "gsm8k_prompts", "max_new_tokens", "threads")
+    cli_checks.at_least(args, 1, "cnn_prompts", "gsm8k_prompts", "max_new_tokens", "threads", "batch")
     cli_checks.milliseconds(args, "link_ms")
     experts = cli_checks.experts_per_layer(json.loads((TARGET_DIR / "config.json").read_text()))
     bad = [s for s in args.slots if s != "none" and not (s.isdigit() and 1 <= int(s) <= experts)]
@@ -186,7 +188,8 @@ def _main_table(args, workloads, tokenizer, link, out_dir: Path, host=None) -> d
                     watched = instances.get("specfit")
                     if watched is not None:
                         watched.specfit.acceptance_log = []
-                    runs = side_by_side(instances, prompts, args.max_new_tokens, on_prompt=lambda i: bar.update(1))
+                    runs = side_by_side(instances, prompts, args.max_new_tokens, batch=args.batch,
+                                        on_prompt=lambda i: bar.update(args.batch))
                     label = ("emulated link + host lane" if host else "emulated link") if link else "no link"
                     rows += [Row.of(m, w, slots, label, len(prompts), c, runs.seconds[m])
                              for m, c in runs.counters.items()]

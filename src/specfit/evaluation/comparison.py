@@ -107,7 +107,7 @@ class Comparison:
 
 
 def compare(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_tokens: int = 64, warmup: bool = True,
-            plot: bool = False, as_frame: bool | None = None, **generate_kwargs):
+            plot: bool = False, as_frame: bool | None = None, batch: int = 1, **generate_kwargs):
     """Decode ``prompts`` with each method in turn on an enabled model and return a table of the figures.
 
     - ``model``: a model with SpecFit enabled (``specfit.enable``, ``specfit.from_pretrained``,
@@ -119,13 +119,15 @@ def compare(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_token
       ``"specfit-oracle"``, ...). The first method is the base of ``speedup``.
     - ``max_new_tokens`` and ``**generate_kwargs`` go to every ``generate()`` call (greedy unless ``do_sample=True``;
       greedy outputs are checked to be identical).
+    - ``batch``: prompts per ``generate()`` call, left-padded with an attention mask (docs/batch.md); figures are
+      then per batch call (tok/s: the batch's new tokens over its calls' wall clock).
     - ``warmup``: one short untimed call per method first. ``plot``: also draw the table (matplotlib).
     - Returns a pandas DataFrame indexed by method when pandas is installed (``as_frame=False``: always the rows,
       a list of dicts); ``specfit.evaluation.comparison.COLUMNS`` says what each column means.
 
     Everything is checked before the first call; on a slow machine keep ``prompts`` and ``max_new_tokens`` small.
     """
-    result = run(model, tokenizer, prompts, methods, max_new_tokens=max_new_tokens, warmup=warmup,
+    result = run(model, tokenizer, prompts, methods, max_new_tokens=max_new_tokens, warmup=warmup, batch=batch,
                  needs=("matplotlib",) * plot + ("pandas",) * bool(as_frame), **generate_kwargs)
     table = result.table(as_frame)
     if plot:
@@ -134,7 +136,7 @@ def compare(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_token
 
 
 def run(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_tokens: int = 64, warmup: bool = True,
-        needs: tuple = (), on_prompt=None, **generate_kwargs) -> Comparison:
+        needs: tuple = (), on_prompt=None, batch: int = 1, **generate_kwargs) -> Comparison:
     """``compare``'s measurement, returned whole (figures and generated tokens): what ``specfit demo`` prints."""
     methods = _methods(methods)
     models = _models(model, methods)
@@ -143,7 +145,7 @@ def run(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_tokens: i
     sampling = bool(generate_kwargs.get("do_sample", False))
     runs = interleave(models, prompt_ids, max_new_tokens, assistants={m: methods[m].assistant for m in methods},
                       warmup_tokens=min(WARMUP_TOKENS, max_new_tokens) if warmup else 0,
-                      check_lossless=not sampling, on_prompt=on_prompt, **generate_kwargs)
+                      check_lossless=not sampling, on_prompt=on_prompt, batch=batch, **generate_kwargs)
     return Comparison(methods, len(prompt_ids), runs.counters, runs.seconds, runs.outputs)
 
 

@@ -168,38 +168,43 @@ class Runs:
 
 
 def interleave(models: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int, *, assistants: dict | None = None,
-               skip: int = 0, warmup_tokens: int = 0, check_lossless: bool = True, on_prompt=None,
+               skip: int = 0, warmup_tokens: int = 0, check_lossless: bool = True, on_prompt=None, batch: int = 1,
                **generate_kwargs) -> Runs:
     """Every prompt with every method in turn (prompt 0 by each method, then prompt 1, ...), so a slow stretch of a
     noisy machine hits all methods alike. ``models`` maps a method to its model (one model may serve several);
     ``assistants`` maps it to the ``assistant=`` value (default: the harness's methods). ``skip``: prompts at the
     start left out of the figures (unless there are no more). ``warmup_tokens``: first one untimed call per method
     on prompt 0 with that many tokens (one-time costs stay out of the figures). ``check_lossless``: every method must
-    produce the first method's tokens (greedy decoding)."""
+    produce the first method's tokens (greedy decoding). ``batch``: prompts go in left-padded batches of that many
+    (``batches.left_padded``), one ``generate()`` call per batch; ``skip`` and ``on_prompt`` then count batches."""
     import torch
 
     from ..decoding import oracle  # noqa: F401  registers the "acceptance-oracle" assistant, a method above
+    from .batches import left_padded, pad_id
 
     assistants = assistants if assistants is not None else {m: ASSISTANT[m] for m in models}
     own = {m: GENERATE.get(m, {}) if isinstance(m, str) else {} for m in models}  # a method's own keywords
     generate_kwargs.setdefault("do_sample", False)
     runs = Runs({m: Counters() for m in models}, {m: 0.0 for m in models}, {m: 0 for m in models},
                 {m: [] for m in models})
-    if warmup_tokens and prompt_ids:
+    calls = [(ids, {}) for ids in prompt_ids] if batch == 1 else \
+        [(ids, {"attention_mask": mask}) for ids, mask in left_padded(prompt_ids, batch, pad_id(next(iter(
+            models.values()))))]
+    if warmup_tokens and calls:
         for method, model in models.items():
-            model.generate(prompt_ids[0], max_new_tokens=warmup_tokens, assistant=assistants[method],
-                           **generate_kwargs, **own[method])
-    for i, ids in enumerate(prompt_ids):
+            model.generate(calls[0][0], max_new_tokens=warmup_tokens, assistant=assistants[method],
+                           **calls[0][1], **generate_kwargs, **own[method])
+    for i, (ids, extra) in enumerate(calls):
         for method, model in models.items():
             started = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=max_new_tokens, assistant=assistants[method], **generate_kwargs,
-                                 **own[method])
+            out = model.generate(ids, max_new_tokens=max_new_tokens, assistant=assistants[method], **extra,
+                                 **generate_kwargs, **own[method])
             seconds = time.perf_counter() - started
-            if i >= skip or len(prompt_ids) <= skip:
+            if i >= skip or len(calls) <= skip:
                 runs.counters[method] += model.specfit.stats.last_generate
                 runs.seconds[method] += seconds
                 runs.calls[method] += 1
-            runs.outputs[method].append(out[0, ids.shape[1]:])
+            runs.outputs[method].append(out[:, ids.shape[1]:] if batch > 1 else out[0, ids.shape[1]:])
         first = next(iter(models))
         reference = runs.outputs[first][-1]
         for method in models if check_lossless else ():
@@ -220,9 +225,10 @@ def run_side_by_side(instances: dict, prompt_ids: list[torch.Tensor], max_new_to
 
 
 def side_by_side(instances: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int, warmup: int = 1,
-                 on_prompt=None) -> Runs:
-    """As ``run_side_by_side``, returning the ``Runs`` (whole-call wall clock included)."""
-    return interleave(instances, prompt_ids, max_new_tokens, skip=warmup, on_prompt=on_prompt)
+                 on_prompt=None, batch: int = 1) -> Runs:
+    """As ``run_side_by_side``, returning the ``Runs`` (whole-call wall clock included); ``batch``: prompts per
+    generate() call, left-padded."""
+    return interleave(instances, prompt_ids, max_new_tokens, skip=warmup, on_prompt=on_prompt, batch=batch)
 
 
 def token_compute_seconds(model, ids: torch.Tensor, repeats: int = 20) -> float:

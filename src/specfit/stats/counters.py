@@ -50,6 +50,8 @@ class Counters:
       matches the clock. ``cost_refresh_cycles``: the forecast cycles whose wall clock refreshed the cost model
       online (``stats.cost_profile`` names the profile it started from). ``guard_eagle_cycles``: the cycles
       SpecFit's dominance guard ran EAGLE-3's way (its drafting and tree) because the clock said it paid more.
+    - ``batch_row_cycles``: with a batch (several rows, docs/batch.md), the rows verified summed over cycles (rows in
+      flight per cycle: ``batch_row_cycles / cycles``; a finished row is not verified again); 0 at batch 1.
     - ``prefill_seconds``: wall clock from ``generate()``'s entry to the end of the prompt's forward.
       ``decode_seconds``: wall clock of everything after it; the two add up to a stopwatch around the call.
       ``measurement_seconds``: the part of ``decode_seconds`` spent on measurement only (the route or acceptance
@@ -99,6 +101,9 @@ class Counters:
     forecast_cycles: int = 0  # cycles that came with a predicted time (SpecFit's; AR and EAGLE-3: none)
     cost_refresh_cycles: int = 0  # forecast cycles whose wall clock the cost model learned from online
     guard_eagle_cycles: int = 0  # cycles SpecFit's dominance guard ran EAGLE-3's way
+    # a batch (assistant decoding of several rows): rows verified, summed over cycles (rows in flight per cycle =
+    # batch_row_cycles / cycles); finished rows are not verified again. Batch 1 counts 0 here.
+    batch_row_cycles: int = 0
     new_tokens: int = 0  # tokens returned by generate (AR too)
     prefill_seconds: float = 0.0  # wall clock from generate()'s entry to the end of the prompt's forward
     decode_seconds: float = 0.0  # wall clock of everything generate() did after the prefill (oracle included)

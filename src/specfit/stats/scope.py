@@ -43,6 +43,8 @@ class Stats:
     last_method: str | None = None  # the decoding path of the last generate() call (see the module docstring)
     # the cost profile SpecFit's selector started from and whether it is refreshed online (set by SpecFit)
     cost_profile: str | None = None
+    # new tokens of each row of the last generate() call that decoded a batch with an assistant (None otherwise)
+    last_rows: list[int] | None = None
 
     def reset(self) -> None:
         """Zero ``total`` and the ``last_*`` spans (a running trace is kept)."""
@@ -62,6 +64,7 @@ class Stats:
         self.call_started = time.perf_counter() if started is None else started
         self.call_waited = waited
         self.last_prefill, self.last_generate, self.last_method = Counters(), Counters(), None
+        self.last_rows = None
 
     def begin_generate(self) -> "GenerateScope":
         self.scope = GenerateScope(self, self.call_started, self.call_waited)
