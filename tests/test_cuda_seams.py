@@ -8,7 +8,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-import specfit.offload.experts as experts
+import specfit.offload.grouped_check as grouped_check
 from specfit.cli_checks import cuda_device
 from specfit.offload import standin, store as store_module
 from specfit.offload.cache import CopyEngine, CudaStreams
@@ -73,15 +73,15 @@ def test_a_failed_pin_clears_the_cuda_error(monkeypatch, fake_cuda):
 
 def test_the_grouped_path_is_chosen_only_where_it_can_run(monkeypatch, caplog):
     layout = ExpertLayout(64, 32, False)
-    assert experts.grouped_experts_supported(CUDA, torch.float32, layout)[0] is False
-    assert not experts.grouped_experts_supported(CUDA, torch.bfloat16, ExpertLayout(64, 32, True))[0]
-    monkeypatch.setattr(experts, "grouped_self_check", lambda device, dtype, layout: None)
-    assert experts.grouped_experts_supported(CUDA, torch.bfloat16, layout) == (True, "grouped matmuls over the slots")
-    monkeypatch.setattr(experts, "grouped_self_check", lambda device, dtype, layout: "wrong sums")
+    assert grouped_check.grouped_experts_supported(CUDA, torch.float32, layout)[0] is False
+    assert not grouped_check.grouped_experts_supported(CUDA, torch.bfloat16, ExpertLayout(64, 32, True))[0]
+    monkeypatch.setattr(grouped_check, "grouped_self_check", lambda device, dtype, layout: None)
+    assert grouped_check.grouped_experts_supported(CUDA, torch.bfloat16, layout) == (True, "grouped matmuls over the slots")
+    monkeypatch.setattr(grouped_check, "grouped_self_check", lambda device, dtype, layout: "wrong sums")
     with pytest.warns(RuntimeWarning, match="gathered weights .*wrong sums"):
-        assert experts.choose_experts_path(CUDA, torch.bfloat16, layout) is False
+        assert grouped_check.choose_experts_path(CUDA, torch.bfloat16, layout) is False
     with caplog.at_level("INFO", logger="specfit"):
-        assert experts.choose_experts_path(CUDA, torch.float32, layout) is False
+        assert grouped_check.choose_experts_path(CUDA, torch.float32, layout) is False
     assert "specfit experts path: gathered" in caplog.text
 
 

@@ -1,4 +1,4 @@
-"""The grouped-matmul check at ``enable`` (``offload/experts.py``), on the CPU: both projections run in the
+"""The grouped-matmul check at ``enable`` (``offload/grouped_check.py``), on the CPU: both projections run in the
 self-check, and shapes CUDA's grouped matmul cannot take are refused loudly (the experts then run gathered) instead of
 crashing mid-forward (issue 29, 2)."""
 
@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from specfit.seam import experts as hf_experts
-from specfit.offload import experts
-from specfit.offload.experts import choose_experts_path, grouped_self_check, grouped_shape_problem
+from specfit.offload.grouped_check import choose_experts_path, grouped_self_check, grouped_shape_problem
 from specfit.seam.layers import ExpertLayout
 
 
@@ -56,4 +55,4 @@ def test_a_grouped_matmul_that_raises_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(hf_experts, "grouped_mm", broken)
     problem = grouped_self_check(torch.device("cpu"), torch.bfloat16, ExpertLayout(64, 32))
     assert "grouped gate_up matmul failed on this device: RuntimeError: stride" in problem
-    assert experts.grouped_shape_problem(64, 32) is None
+    assert grouped_shape_problem(64, 32) is None

@@ -16,7 +16,8 @@ from ..stats.scope import Stats
 from ..transfer import Staging
 from .cache import CopyEngine, LayerCache
 from .config import OffloadConfig
-from .experts import LayerRuntime, choose_experts_path
+from .experts import LayerRuntime
+from .grouped_check import choose_experts_path
 from .host_compute import ROWS_WITH_ROUTES, InlineLane, ThreadedLane, measure_lane
 from .host_lane import EmulatedHostLane
 from .link import EmulatedLink
