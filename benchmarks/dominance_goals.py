@@ -50,9 +50,12 @@ def run_cell(cell: dict, methods: list[str], prompts: list[str], tokens: int, wa
     kwargs = dict(SAMPLING) if cell["sampling"] else dict(do_sample=False)
     counters = {m: None for m in models}
     seconds = {m: 0.0 for m in models}
+    ways = {}  # SpecFit's guard: cycles per way over the timed calls
     for m, model in models.items():  # warm-up: untimed
         model.generate(ids[0], max_new_tokens=warmup_tokens, assistant=assistants[m], **kwargs,
                        **GENERATE.get(m, {}))
+    guard = models["specfit"].specfit.guard
+    before = dict(guard[1].cycles) if guard else {}
     for i, prompt in enumerate(ids):
         outs = {}
         for m, model in models.items():
@@ -70,6 +73,9 @@ def run_cell(cell: dict, methods: list[str], prompts: list[str], tokens: int, wa
             bad = [m for m in outs if not torch.equal(outs[m], outs[first])]
             if bad:
                 raise AssertionError(f"{bad} differ from {first} on prompt {i}: lossless decoding is broken")
+    guard = models["specfit"].specfit.guard
+    if guard:
+        ways = {way: n - before.get(way, 0) for way, n in guard[1].cycles.items()}
     tok_s = {m: counters[m].new_tokens / seconds[m] for m in models}
     best = max((m for m in BASELINES if m in tok_s), key=tok_s.get)
     sf = counters["specfit"]
@@ -77,6 +83,8 @@ def run_cell(cell: dict, methods: list[str], prompts: list[str], tokens: int, wa
                 tokens=tokens, tok_s=tok_s, best_baseline=best,
                 specfit_over_eagle3=tok_s["specfit"] / tok_s["eagle3"] if "eagle3" in tok_s else None,
                 specfit_over_best=tok_s["specfit"] / tok_s[best],
+                specfit_over_ar=tok_s["specfit"] / tok_s["ar"] if "ar" in tok_s else None,
+                ways={way: n / max(sum(ways.values()), 1) for way, n in ways.items()},
                 eagle_way_share=sf.guard_eagle_cycles / sf.cycles if sf.cycles else 0.0,
                 nodes_per_cycle={m: c.nodes_per_cycle for m, c in counters.items()},
                 tokens_per_cycle={m: c.tokens_per_cycle for m, c in counters.items()},
@@ -113,7 +121,8 @@ def main() -> None:
         mode = "sample" if r["sampling"] else "greedy"
         print(f"{r['workload']:5s} {r['slots']:2d} slots link {r['ratio']:g}x {mode}:"
               f" SpecFit / EAGLE-3 {r['specfit_over_eagle3']:.2f}, / best ({r['best_baseline']}) "
-              f"{r['specfit_over_best']:.2f}; EAGLE-3-way cycles {r['eagle_way_share']:.0%}; forecast/real "
+              f"{r['specfit_over_best']:.2f}, / AR {r['specfit_over_ar'] or 0:.2f}; ways "
+              + ", ".join(f"{w} {v:.0%}" for w, v in r["ways"].items()) + "; forecast/real "
               f"{'-' if fc is None else f'{fc:.2f}'}; tok/s " + ", ".join(f"{m} {v:.2f}" for m, v in r["tok_s"].items())
               + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     out = Path(args.out)

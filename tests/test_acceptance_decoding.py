@@ -117,7 +117,7 @@ def test_calibrated_specfit_learns_a_drafter_that_understates_itself_and_stays_l
 
 
 def test_sampling_learns_the_sampling_table_and_greedy_output_is_unchanged_by_what_was_learned():
-    model = enabled(noise=0.3, sharpen=1.0)
+    model = enabled(noise=0.3, sharpen=1.0, guard=False)  # trees every cycle (the guard may settle on plain ones)
     torch.manual_seed(0)
     model.generate(PROMPT, max_new_tokens=20, do_sample=True, temperature=0.8, assistant="specfit")
     models = model.specfit.acceptance_models

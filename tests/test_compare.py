@@ -142,13 +142,19 @@ def test_demo_runs_on_compare_and_says_where_specfit_pays(capsys, monkeypatch):
     pays = [line for line in out.splitlines() if line.startswith("Where SpecFit pays")]
     assert len(pays) == 1 and "slots" in pays[0] and "link" in pays[0]
     assert "1 CPU thread" in out  # the count the demo set, said
-    assert out.count("SpecFit + cache") == 2 and "vs AR" in out
+    assert out.count("SpecFit + cache") == 2 and "vs AR" in out and "vs EAGLE-3" in out
+    tables = [line for line in out.splitlines() if line.startswith(("method ", "AR ", "EAGLE-3 ", "SpecFit + cache"))]
+    assert len(tables) == 8 and max(map(len, tables)) <= 80  # the default table fits a terminal
+    assert "copies/tok" in out and "MiB/tok" not in out and "fcst/real" not in out  # the rest only with --wide
     # progress: a line per prompt and workload with every method's tok/s (the datasets, or the built-in prompts)
     for workload in ("GSM8K", "CNN/DailyMail"):
         for i in (1, 2):
             assert re.search(rf"^  \[{re.escape(workload)}\] prompt {i} of 2: AR [\d.]+, EAGLE-3 [\d.]+, SpecFit "
                              rf"[\d.]+ tok/s \(\d+ s so far\)$", out, re.M), out[-3000:]
-        assert re.search(rf"^  {re.escape(workload)}: SpecFit [+-]\d+% over .* 2 prompts\)", out, re.M)
+        # the verdict reads the table: SpecFit against AR and against EAGLE-3, each with its spread, and what it says
+        assert re.search(rf"^  {re.escape(workload)}: SpecFit [+-]\d+% against AR \(spread \d+%\), [+-]\d+% "
+                         rf"against EAGLE-3 \(spread \d+%\), 2 prompts: (faster than both|slower than|not "
+                         rf"clearly different from) ", out, re.M)
         assert f"--- {workload}: prompt 1 of 2 ---" in out
     assert "-0%" not in out and "prompt prompt" not in out
     notes = [line for line in out.splitlines() if line.startswith("note: ")]

@@ -118,3 +118,73 @@ def test_a_cold_expert_is_refreshed_along_the_path_the_selector_prices_it_by():
         assert refresh.record(n, demand, misses, 2, priced.predict(n, demand, levels=2, misses=misses)) == \
             (i == EVERY - 1)
     assert refresh.model.miss == pytest.approx(2.2e-4, rel=0.1)
+
+
+# issue 44, items 7-9: what the refresh moves, and what it leaves where it was -----------------------------------
+
+def coefficients(m):
+    return np.array([*m.intercepts, *m.draft_level_seconds, m.beta, m.copy])
+
+
+def test_on_a_machine_exactly_as_the_profile_nothing_moves():
+    """Cycles that take exactly what the profile predicts: every refit keeps the profile (the priors are its values,
+    the host scale stays 1)."""
+    rng = np.random.default_rng(4)
+    refresh = CostRefresh(PROFILE, LINK, depth=5, every=1)
+    feed(refresh, machine(1.0), rng, 60, noise=0.0)
+    assert refresh.scale == pytest.approx(1.0, rel=1e-6)
+    np.testing.assert_allclose(coefficients(refresh.model), coefficients(PROFILE), rtol=0.01, atol=1e-6)
+
+
+def test_after_a_change_of_load_the_terms_no_recent_cycle_reaches_move_with_the_host():
+    """Cycles of at most two levels on a host now 2x slower: the price of levels 3-5 (never drafted) and the host
+    scale follow the load; the link's own time per copy does not."""
+    rng = np.random.default_rng(5)
+    truth = machine(2.0)
+    refresh = CostRefresh(PROFILE, LINK, depth=5)
+    for n, demand, misses, levels in cycles(rng, 80):
+        levels = min(levels, 2)
+        refresh.record(n, demand, misses, levels, truth(n, demand, misses, levels))
+    m = refresh.model
+    assert refresh.scale == pytest.approx(2.0, rel=0.1)
+    for level in (2, 3, 4):  # levels 3, 4, 5
+        assert m.draft_level_seconds[level] == pytest.approx(2.0 * PROFILE.draft_level_seconds[level], rel=0.2)
+    assert m.link_share == pytest.approx(PROFILE.link_share, rel=0.1)
+
+
+@pytest.mark.parametrize("levels", [0, 1, 2, 4])
+def test_each_drafted_level_is_charged_once(levels):
+    """Cycles fed exactly as the profile predicts, of every kind SpecFit runs (root-only, 1-4 levels): the refitted
+    forecasts of root-only and of 1, 2 and 4 levels stay within 3% of the profile's."""
+    rng = np.random.default_rng(6)
+    refresh = CostRefresh(PROFILE, LINK, depth=5)
+    feed(refresh, machine(1.0), rng, 80, noise=0.0)
+    n = 0 if levels == 0 else min(levels + 1, 7)
+    for demand, misses in ((180, 10), (400, 30)):
+        want = PROFILE.predict(n, demand, levels=levels, misses=misses)
+        assert refresh.model.predict(n, demand, levels=levels, misses=misses) == pytest.approx(want, rel=0.03)
+
+
+def test_within_one_call_the_refit_reprices_later_cycles():
+    """A profile 20x too dear for this machine: within one generate() call the refreshed forecasts of the last
+    cycles are well under the first's, and the stats count the cycles that refreshed it."""
+    import torch
+    from conftest import SelfDrafter, tiny_moe
+
+    import specfit
+
+    prompt = torch.randint(2, 256, (1, 11), generator=torch.Generator().manual_seed(11))
+    # a cycle of the tiny model with this drafter takes 20-250 ms on a loaded CPU; the profile says 3-4 s
+    dear = CostModel(tuple(3.0 + 0.1 * n for n in range(8)), 2e-3, draft_level_seconds=(0.1,) * 5,
+                     copy_overhead=3e-3, link_share=1.0)
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=5, drafter=SelfDrafter(model, first_token=int(prompt[0, 0]), noise=0.3),
+                   cost_model=dear, guard=False)
+    trace = model.specfit.stats.start_trace()
+    model.generate(prompt, max_new_tokens=40, do_sample=False, assistant="specfit")
+    g = model.specfit.stats.last_generate
+    assert g.cost_refresh_cycles > 0 and g.cost_refresh_cycles == g.forecast_cycles == g.cycles
+    first = [r.predicted_seconds for r in trace[:3]]
+    last = [r.predicted_seconds for r in trace[-3:]]
+    assert min(first) > 2.0 and max(last) < 0.5 * min(first)
+    assert f"refreshed online by {model.specfit.cost_refresh.cycles} cycles" in model.specfit.stats.cost_profile

@@ -1,5 +1,7 @@
 """The dominance guard (``decoding/guard.py``): pure, and in SpecFit's loop on a tiny model (lossless, counted)."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -25,21 +27,46 @@ def run(guard: Guard, rates: dict, cycles: int, seed: int = 0) -> dict:
     return chosen
 
 
-@pytest.mark.parametrize("fast", ["specfit", "eagle3"])
-def test_the_guard_runs_the_faster_way_almost_always_and_still_checks_the_other(fast):
-    rates = {"specfit": 10.0, "eagle3": 10.0}
+STARTUP = 8 + 3 + 3  # the default warm-up and the other arms' trials
+
+
+@pytest.mark.parametrize("fast", ["specfit", "eagle3", "plain"])
+def test_the_guard_runs_the_fastest_way_and_explores_within_its_budget(fast):
+    """Each of the three ways fastest in turn, the others 30% slower: after the warm-up and trials, the slower ways
+    run at most the budget (2% of cycles), and they are still tried again (their evidence ages)."""
+    rates = {arm: 10.0 for arm in ("specfit", "eagle3", "plain")}
     rates[fast] = 13.0
-    guard = Guard(warmup=10)
-    chosen = run(guard, rates, 600)
-    slow = "eagle3" if fast == "specfit" else "specfit"
-    assert chosen[fast] >= 0.85 * 600 - 10 and chosen[slow] >= 5  # it keeps checking the other way
-    assert guard.cycles == chosen
+    guard = Guard()
+    chosen = run(guard, rates, STARTUP)
+    after = run(guard, rates, 2000, seed=1)
+    slower = sum(n for arm, n in after.items() if arm != fast)
+    assert slower <= 0.02 * (2000 + STARTUP) and guard.explored <= 0.02 * (2000 + STARTUP)
+    assert slower >= 3  # it keeps checking the other ways
+    assert guard.cycles == {arm: chosen[arm] + after[arm] for arm in rates}
+
+
+def test_a_clearly_slower_way_is_tried_again_once_its_evidence_has_aged():
+    guard = Guard(warmup=3, trials=3)
+    for _ in range(3):
+        guard.record("specfit", 2.0, 0.1)
+    for arm in ("eagle3", "plain"):
+        for _ in range(3):
+            guard.record(arm, 2.0, 0.2)  # half SpecFit's rate
+    picks = []
+    for _ in range(600):
+        arm = guard.choose()
+        picks.append(arm)
+        guard.record(arm, 2.0, 0.1 if arm == "specfit" else 0.2)
+    first = next(i for i, arm in enumerate(picks) if arm != "specfit")
+    # a way at half the rate is not retried while its three cycles weigh; it is once they have aged
+    assert 50 <= first < 400
+    assert sum(arm != "specfit" for arm in picks) <= 0.02 * 609
 
 
 def test_the_guard_follows_a_change():
     guard = Guard(warmup=5)
-    run(guard, {"specfit": 13.0, "eagle3": 10.0}, 300)
-    chosen = run(guard, {"specfit": 7.0, "eagle3": 10.0}, 300, seed=1)  # SpecFit's way got slower
+    run(guard, {"specfit": 13.0, "eagle3": 10.0, "plain": 9.0}, 300)
+    chosen = run(guard, {"specfit": 7.0, "eagle3": 10.0, "plain": 9.0}, 300, seed=1)  # SpecFit's way got slower
     assert chosen["eagle3"] > 0.75 * 300
 
 
@@ -53,6 +80,41 @@ def test_warmup_and_bad_arguments():
         guard.record("ar", 1, 0.1)
     with pytest.raises(ValueError, match="decay must be in"):
         Guard(decay=1.5)
+    with pytest.raises(ValueError, match="budget is a share"):
+        Guard(budget=2)
+
+
+def slowed(monkeypatch, method: str, seconds: float):
+    """Make one of SpecFitGenerator's ways slower by ``seconds`` per cycle."""
+    from specfit.decoding import assistants
+    original = getattr(assistants.SpecFitGenerator, method)
+
+    def slow(self, *args):
+        time.sleep(seconds)
+        return original(self, *args)
+    monkeypatch.setattr(assistants.SpecFitGenerator, method, slow)
+
+
+def test_the_guard_learns_each_cycle_under_the_way_it_ran(monkeypatch):
+    """In SpecFit's loop: the guard's per-way counts equal the stats' (EAGLE-3's way counted, plain cycles drafted
+    nothing); with EAGLE-3's way and plain decoding made clearly slower, most cycles after the start run SpecFit's
+    way."""
+    slowed(monkeypatch, "_draft_as_eagle", 0.03)
+    slowed(monkeypatch, "_predict_root_only", 0.03)  # runs once in every plain cycle
+    model = tiny_moe()
+    specfit.enable(model, cache_slots=5, drafter=SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3),
+                   cost_model=COST)
+    runtime = model.specfit
+    guard = Guard(warmup=4, trials=2)
+    runtime.guard = (runtime.options, guard)
+    runtime.stats.start_trace()
+    model.generate(PROMPT, max_new_tokens=60, do_sample=False, assistant="specfit")
+    g, trace = runtime.stats.last_generate, runtime.stats.trace
+    plain = sum(r.pool == 0 for r in trace)
+    assert guard.cycles == {"specfit": g.cycles - g.guard_eagle_cycles - plain, "eagle3": g.guard_eagle_cycles,
+                            "plain": plain}
+    assert guard.cycles["eagle3"] >= 2 and guard.cycles["plain"] >= 2  # both tried
+    assert guard.cycles["specfit"] >= g.cycles - 4 - 2 - 2 - 2  # the rest: SpecFit's way, but the budget
 
 
 def test_in_specfits_loop_the_guard_is_lossless_forecast_and_counted():
@@ -64,7 +126,7 @@ def test_in_specfits_loop_the_guard_is_lossless_forecast_and_counted():
     specfit.enable(model, cache_slots=5, drafter=SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3),
                    cost_model=COST)
     runtime = model.specfit
-    runtime.guard = (runtime.options, Guard(warmup=2, spread=5.0))  # explores EAGLE-3's way often
+    runtime.guard = (runtime.options, Guard(warmup=2, spread=5.0, budget=1.0))  # explores often
     runtime.stats.start_trace()
     assert torch.equal(model.generate(PROMPT, max_new_tokens=30, do_sample=False, assistant="specfit"), expected)
     g = runtime.stats.last_generate

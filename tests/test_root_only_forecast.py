@@ -30,6 +30,7 @@ def setup():
     nodes[:, 8:12] = True
     runtime.backoff = None
     gen = SpecFitGenerator(model)
+    gen.guard = None  # the rule's backoff decides which cycles skip drafting (the tests set it)
     gen.routes = lambda cycle, tree: (np.broadcast_to(nodes, (len(tree), LAYERS, EXPERTS)).copy(), root.copy())
     gen.start(torch.zeros(1, PROMPT.shape[1], 3 * 64), torch.cat([PROMPT[:, 1:], PROMPT[:, :1]], dim=1))
     cycle = Cycle(model, cache=None, base=PROMPT.shape[1], root=int(PROMPT[0, 0]))

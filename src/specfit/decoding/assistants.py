@@ -121,9 +121,9 @@ class SpecFitGenerator(Eagle3Generator):
         self.source = profile_source(model) or "given"
         self._use(self.refresh.model if self.refresh is not None else cost)
         self.levels = 0  # levels drafted this cycle
-        # which way each cycle runs, SpecFit's or EAGLE-3's, by the clock (decoding/guard.py); kept on the runtime
+        # which way each cycle runs, SpecFit's, EAGLE-3's or plain, by the clock (decoding/guard.py); on the runtime
         self.guard = dominance_guard(runtime, opts)
-        self.arm = "specfit"
+        self.arm = "specfit"  # the way this cycle runs: "specfit", "eagle3" or "plain" (drafting skipped)
         self.nodes: tuple[int, ...] = ()  # the subtree this cycle verifies
         self._eagle = [0.0, 0.0, None]  # EAGLE-3's way: decayed real and forecast seconds, last (demand, misses)
         self.routes = resolve_route_source(model, opts.route_source)
@@ -149,18 +149,16 @@ class SpecFitGenerator(Eagle3Generator):
         self._forecast_on = self._root  # (demand, misses) the cycle's forecast priced: the refresh learns on them
 
     def start(self, features, next_tokens):
-        """The prompt waits with the committed pairs while drafting is skipped (the backoff carries over from the
-        previous call): a call in which drafting never pays runs the drafter only when it probes."""
+        """The prompt waits with the committed pairs until the next cycle drafts (``_catch_up``)."""
         self.drafter.reset()
         self._pending = [(features, next_tokens)]
-        if not self.backoff.skipping:
-            self._catch_up()
 
     def observe(self, features, next_tokens):
-        """While drafting is skipped, committed pairs wait here and reach the drafter in one forward later."""
+        """Committed pairs wait here and reach the drafter in one forward when the next cycle drafts: a cycle that
+        drafts pays exactly one drafter forward for what was committed before it, however many plain cycles (drafting
+        skipped) ran since, and a plain cycle pays none. So the clock of each way is its own: the cost refresh and
+        the guard never charge a drafted cycle for the plain cycles before it."""
         self._pending.append((features, next_tokens))
-        if not self.backoff.skipping:
-            self._catch_up()
 
     def _catch_up(self) -> None:
         if self._pending:
@@ -180,11 +178,13 @@ class SpecFitGenerator(Eagle3Generator):
             last = self.runtime.stats.last_forward
             self._root = (last.demand, last.misses + last.host_experts)  # its cold experts: copied or on the host
         self.levels = 0
-        self.arm = self.guard.choose() if self.guard is not None else "specfit"
+        if self.guard is not None:  # the guard picks the way; its "plain" arm replaces the backoff
+            self.arm = self.guard.choose()
+        else:
+            self.arm = "plain" if self.backoff.skip() else "specfit"
+        self._skipped = self.arm == "plain"
         if self.arm == "eagle3":
-            self._skipped = False
             return self._draft_as_eagle(cycle)
-        self._skipped = self.backoff.skip()
         if self._skipped:
             self.predicted_seconds = self._predict_root_only()
             self._forecast_on = self._root
@@ -210,7 +210,8 @@ class SpecFitGenerator(Eagle3Generator):
         self.runtime.expect_tree(values, node_routes)  # the pool: a forecast for the slot caches (offload/policies.py)
         root_demand = int(root_routes.sum())
         self._root = (root_demand, root_demand if resident is None else int((root_routes & ~resident).sum()))
-        self.backoff.record(paid=self._paid())
+        if self.guard is None:
+            self.backoff.record(paid=self._paid())
         self.nodes = self.winner.nodes
         self._forecast_on = (self.winner.demand, self.winner.misses)
         self.expected_tokens = self.winner.expected_tokens
@@ -259,10 +260,11 @@ class SpecFitGenerator(Eagle3Generator):
             else "; frozen (no online refresh)")
 
     def timed(self, seconds, forward, committed) -> dict:
-        """The guard learns what this cycle's way committed and took. A cycle run SpecFit's way refreshes the cost
-        model online: its node count, levels drafted and wall clock, and the demand and misses its forecast priced
-        (from the routes the selector saw, so the refit also absorbs how the route source errs); a refit re-prices
-        the selector from the next cycle on. A cycle run EAGLE-3's way corrects that way's forecast."""
+        """The guard learns what this cycle committed and took under the way it ran (SpecFit's, EAGLE-3's or plain).
+        A cycle run SpecFit's way or plain refreshes the cost model online: its node count, levels drafted (0 for
+        plain) and wall clock, and the demand and misses its forecast priced (from the routes the selector saw, so
+        the refit also absorbs how the route source errs); a refit re-prices the selector from the next cycle on. A
+        cycle run EAGLE-3's way corrects that way's forecast."""
         if self.guard is not None:
             self.guard.record(self.arm, committed, seconds)
         if self.arm == "eagle3":

@@ -1,21 +1,25 @@
-"""The dominance guard: SpecFit runs each cycle its own way or EAGLE-3's, whichever the clock says pays more.
+"""The dominance guard: each cycle runs SpecFit's way, EAGLE-3's, or plain decoding, whichever the clock says pays.
 
-SpecFit's way (routes for every drafted node, the selector after every level, the stop rule) costs drafting work
-that EAGLE-3's does not do: a route head per level, every node of a level processed, the selector. Where copies
-are cheap (many slots, a fast link) its choice is close to EAGLE-3's own tree and that work is not repaid
-(issue 38's counterfactual instrument, ``benchmarks/counterfactual.py``). Both ways are lossless, so SpecFit may run
-a cycle either way.
+Every way is lossless, so SpecFit may run a cycle any of them:
+
+- ``"specfit"``: routes for the drafted nodes, the selector after each level, the stop rule (the paper's rule);
+- ``"eagle3"``: EAGLE-3's drafting and tree (no routes, no selector), cheaper to draft where copies are cheap;
+- ``"plain"``: drafting skipped, the root alone verified: one target forward, as plain decoding (the committed pairs
+  wait and reach the drafter in one forward when drafting resumes).
 
 The guard keeps, per way (*arm*), the tokens its cycles committed and the seconds they took, each earlier cycle
-weighing ``decay`` times less per later cycle, and runs the arm with the most tokens per second. The other arm runs
-again when its *optimistic* rate, its rate plus ``z`` standard errors, passes the better arm's rate. The standard
-error is the ratio estimator's, from the arm's own cycles (``sum (t - rate x s)^2 / (sum s)^2``), and never below
-``spread x rate / sqrt(weight)``: a cycle's tokens vary from one to the depth, so two ways a few percent apart are
-mixed while their evidence cannot tell them apart (losing at most that few percent), one clearly slower is tried
-again only once its evidence has aged (its weight decays with every cycle of the other), and a change of workload
-or load is noticed. SpecFit's way runs ``warmup`` cycles before EAGLE-3's is first tried (its acceptance model and
-online cost refresh settle meanwhile); then each other arm runs ``trials`` cycles before it is compared, so one
-unlucky cycle (a burst of load) does not shut a way out.
+weighing ``decay`` times less per later cycle, and runs the arm with the most tokens per second. Each cycle is
+learned under the way it *ran* (the caller's ``record(arm, ...)``): its per-arm counts, ``cycles``, equal the
+stats' per-way counts, and crediting one way with another's cycles would leave an arm without evidence, which the
+guard would then run on every cycle.
+
+Exploration is budgeted. After the warm-up (``warmup`` cycles of SpecFit's way, so its acceptance model and cost
+refresh settle) and ``trials`` cycles of each other arm, a cycle runs an arm other than the best only when that
+arm's *optimistic* rate (its rate plus ``z`` standard errors) passes the best's rate, and only while such cycles stay
+within ``budget`` of all cycles recorded (``explored <= budget x cycles``; 2% by default). The standard error is
+the ratio estimator's from the arm's own cycles, never below ``spread x rate / sqrt(weight)``: a way a few percent
+slower is retried as soon as the budget allows, a clearly slower one only once its evidence has aged (its weight
+decays with every cycle of the others), so a change of workload or load is still noticed.
 
 Pure Python, no torch: a few running sums per arm, a few float operations per cycle.
 
@@ -26,41 +30,47 @@ Pure Python, no torch: a few running sums per arm, a few float operations per cy
 'specfit'
 >>> g.record("specfit", tokens=2, seconds=0.1); g.choose()     # EAGLE-3's way was never tried
 'eagle3'
->>> for _ in range(30):
-...     g.record("eagle3", tokens=2, seconds=0.2)   # half the rate
-...     g.record("specfit", tokens=2, seconds=0.1)
->>> [g.choose() for _ in range(3)]
-['specfit', 'specfit', 'specfit']
+>>> g.record("eagle3", tokens=2, seconds=0.2); g.choose()      # nor plain decoding
+'plain'
+>>> g.record("plain", tokens=1, seconds=0.08)
+>>> for _ in range(100):
+...     g.record(g.choose(), tokens=2, seconds=0.1)
+>>> g.choose(), g.explored <= g.budget * sum(g.cycles.values())
+('specfit', True)
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["Guard", "ARMS", "DECAY", "SPREAD", "Z", "WARMUP", "TRIALS"]
+__all__ = ["Guard", "ARMS", "DECAY", "SPREAD", "Z", "WARMUP", "TRIALS", "BUDGET"]
 
-ARMS = ("specfit", "eagle3")
+ARMS = ("specfit", "eagle3", "plain")
 DECAY = 0.99  # weight of a cycle per later cycle: about the last 100 cycles count
 SPREAD = 0.3  # the least relative standard error of one cycle's tokens per second
 Z = 1.0  # standard errors of optimism
-WARMUP = 32  # cycles of the first arm (SpecFit's way) before another is tried
-TRIALS = 4  # cycles every other arm runs before its rate is compared
+WARMUP = 8  # cycles of the first arm (SpecFit's way) before another is tried
+TRIALS = 3  # cycles every other arm runs before its rate is compared
+BUDGET = 0.02  # the most cycles, as a share of all, that run an arm the clock says is slower than the best
 
 
 class Guard:
     """Which arm runs the next cycle (module docstring)."""
 
     def __init__(self, decay: float = DECAY, spread: float = SPREAD, z: float = Z, warmup: int = WARMUP,
-                 trials: int = TRIALS, arms=ARMS):
+                 trials: int = TRIALS, arms=ARMS, budget: float = BUDGET):
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
         if not (spread >= 0.0 and z >= 0.0):
             raise ValueError(f"spread and z must be >= 0, got {spread!r}, {z!r}")
+        if not 0.0 <= budget <= 1.0:
+            raise ValueError(f"budget is a share of cycles in [0, 1], got {budget!r}")
         self.decay, self.spread, self.z, self.arms = float(decay), float(spread), float(z), tuple(arms)
-        self.warmup, self.trials = int(warmup), max(int(trials), 1)
+        self.warmup, self.trials, self.budget = int(warmup), max(int(trials), 1), float(budget)
         # per arm, decayed sums over its cycles: weight (cycles), t, s, t^2, t s, s^2
         self.sums = {arm: [0.0] * 6 for arm in self.arms}
         self.cycles = {arm: 0 for arm in self.arms}  # cycles run, undiscounted
+        self.explored = 0  # cycles recorded on an arm slower than the best, after every arm's trials
 
     def rate(self, arm: str) -> float | None:
         """Tokens per second of the arm's cycles (discounted); None before its first cycle."""
@@ -74,6 +84,13 @@ class Guard:
         spread = max(tt - 2 * r * ts + r * r * ss, 0.0) / (s * s)
         return max(math.sqrt(spread), self.spread * r / math.sqrt(w))
 
+    def best(self) -> str | None:
+        """The arm of the highest rate, once every arm has run its trials (None before)."""
+        if self.cycles[self.arms[0]] < self.warmup or any(self.cycles[a] < self.trials for a in self.arms[1:]) \
+                or any(self.sums[a][2] <= 0.0 for a in self.arms):
+            return None
+        return max(self.arms, key=lambda arm: (self.rate(arm), -self.arms.index(arm)))
+
     def choose(self) -> str:
         """The arm for the next cycle."""
         if self.cycles[self.arms[0]] < self.warmup:
@@ -82,19 +99,26 @@ class Guard:
             or [arm for arm in self.arms if self.sums[arm][2] <= 0.0]
         if fresh:
             return fresh[0]
-        rates = {arm: self.rate(arm) for arm in self.arms}
-        best = max(self.arms, key=lambda arm: (rates[arm], -self.arms.index(arm)))
+        best = self.best()
+        if self.explored + 1 > self.budget * (sum(self.cycles.values()) + 1):
+            return best
+        top = rates_best = self.rate(best)
+        chosen = best
         for arm in self.arms:
-            if arm != best and rates[arm] + self.z * self.error(arm) > rates[best]:
-                return arm
-        return best
+            optimistic = self.rate(arm) + self.z * self.error(arm)
+            if arm != best and optimistic > rates_best and optimistic > top:
+                chosen, top = arm, optimistic
+        return chosen
 
     def record(self, arm: str, tokens: float, seconds: float) -> None:
-        """One cycle of ``arm``: its committed tokens and wall clock; every earlier cycle decays."""
+        """One cycle run ``arm``'s way: its committed tokens and wall clock; every earlier cycle decays."""
         if arm not in self.sums:
             raise ValueError(f"unknown arm {arm!r}; arms: {self.arms}")
         if not (math.isfinite(seconds) and seconds > 0):
             return
+        best = self.best()
+        if best is not None and arm != best:
+            self.explored += 1
         d = self.decay
         for sums in self.sums.values():
             sums[:] = [d * x for x in sums]

@@ -83,7 +83,7 @@ class Counterfactual(SpecFitGenerator):
         self.values, self.estimates = [], []
         if self.calibrated:
             self.acceptance = acceptance_model(self.runtime, cycle.sampling)
-        resident = self.runtime.resident_mask() if self.cost.copy else None
+        resident = self.runtime.resident_mask() if self.cost.miss else None  # as SpecFit's draft()
         stop = None  # (level, Selection) where SpecFit's stop rule would have stopped
         tree = DraftTree()
         for tree in self.drafter.levels():
@@ -190,12 +190,13 @@ class Counterfactual(SpecFitGenerator):
 
 
 def _score(nodes, values, routes, root_routes, cost, resident) -> dict:
-    """SpecFit's forecast of one subtree: tokens, seconds and their parts."""
+    """SpecFit's forecast of one subtree: tokens, and the cost model's seconds at its demand and cold experts (each
+    priced at ``cost.miss``: a copy, or the host lane where the selector prices it there), with their parts."""
     nodes = tuple(sorted(nodes))
     union = root_routes | routes[list(nodes)].any(0) if nodes else root_routes  # [L, E]
     demand, misses = int(union.sum()), int((union & ~resident).sum())
     tokens = 1.0 + math.fsum(values[v] for v in nodes)
-    seconds = cost.intercepts[len(nodes)] + cost.beta * demand + getattr(cost, "copy", 0.0) * misses
+    seconds = cost.predict(len(nodes), demand, misses=misses)  # a cold expert at cost.miss, as the selector
     return dict(nodes=nodes, tokens=tokens, seconds=seconds, demand=demand, misses=misses)
 
 

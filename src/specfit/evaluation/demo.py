@@ -1,8 +1,9 @@
 """``specfit demo``: the embedded model with offloaded experts on the CPU, decoded by AR, EAGLE-3 and SpecFit.
 
-Prints the generated text once (all three produce the same tokens: decoding is lossless), a table of wall-clock
-tok/s, draft nodes verified per cycle, tokens committed per cycle and expert copies per token, with a legend, and a
-verdict per workload: SpecFit against the best other method with the prompt-to-prompt spread of this run. The
+Prints the generated text once (all three produce the same tokens: decoding is lossless), a table that fits a
+terminal (wall-clock tok/s, against AR, against EAGLE-3, tokens committed per cycle, expert copies per token; every
+column of ``specfit.compare`` with ``--wide``), with a legend, and a verdict per workload read from that table's
+tok/s: SpecFit against AR and against EAGLE-3, each with the prompt-to-prompt spread of this run. The
 measurement is ``specfit.compare`` (the methods interleaved prompt by prompt, whole generate() calls timed). SpecFit
 runs with the defaults a user gets (deployable routes from the drafter's trained route predictor). The host link is
 emulated (every expert copy costs a set time), so the figures show the offload regime on a CPU; they are not GPU
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 import warnings
 
 from .. import cli_checks
-from .verdict import verdict
+from .verdict import percent
 
 METHODS = ("ar", "eagle3", "specfit")
 YOURS = "yours"  # the workload of --prompt TEXT
@@ -63,6 +65,8 @@ def add_arguments(p) -> None:
                         "misses the slot cache is copied")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
+    p.add_argument("--wide", action="store_true",
+                   help="every column of specfit.compare (nodes per cycle, forecasts, MiB, waits, hit rate, host lane)")
 
 
 def check_arguments(args) -> None:
@@ -168,23 +172,87 @@ def main(args) -> int:
             text, out = prompts[0], result.outputs["ar"][0]
             print(f"\n--- {name}: prompt 1 of {len(prompts)} ---\n{_clip(text)}\n--- generated (identical for AR, "
                   f"EAGLE-3 and SpecFit) ---\n{tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
-            verdicts.append(f"  {name}: {verdict(per_prompt)}")
-            tables.append(result.format(f"[{name}] {args.slots} slots of {experts}, CPU, emulated host link"
-                                        f"{' and host lane' if host else ''} (not GPU speed), {len(prompts)} "
-                                        f"prompt{'s' if len(prompts) != 1 else ''}"))
+            rows = result.rows()
+            verdicts.append(f"  {name}: {table_verdict(rows, per_prompt)}")
+            title = (f"[{name}] {args.slots} slots of {experts}, CPU, emulated host link"
+                     f"{' and host lane' if host else ''} (not GPU speed), {len(prompts)} "
+                     f"prompt{'s' if len(prompts) != 1 else ''}")
+            tables.append(result.format(title) if getattr(args, "wide", False) else narrow_table(rows, title))
     for table in tables:
         print(table + "\n")
-    print("\n".join(comparison.LEGEND))
+    print("\n".join(comparison.LEGEND if getattr(args, "wide", False) else NARROW_LEGEND))
     print("AR: plain generate(); EAGLE-3: its tree, 7 nodes verified; SpecFit: the subtree that maximises predicted "
           "tokens per second (default routes: the trained route predictor)\n")
     for message in notes(caught):
         print(f"note: {message}")
-    print("Verdict of this run (whole-call tok/s; spread: the standard deviation over prompts of SpecFit's per-prompt "
-          "ratio to that method, so a gain inside it is not a clear difference):")
+    print("Verdict of this run (the table's whole-call tok/s; spread: the standard deviation over prompts of "
+          "SpecFit's per-prompt ratio to that method, so a difference inside it is not a clear one):")
     print("\n".join(verdicts))
     print(f"({time.time() - started:.0f} s in all. Your own prompt: specfit demo --prompt TEXT; in Python: "
           f"specfit.compare(model, tokenizer, prompts) on your own model; `specfit bench` runs the full table.)")
     return 0
+
+
+NARROW_LEGEND = (
+    "tok/s: new tokens per second, wall clock of the whole generate() calls (what a stopwatch reads); vs AR, "
+    "vs EAGLE-3: that tok/s over theirs",
+    "tok/cyc: tokens committed per cycle (accepted draft tokens + 1 bonus token; AR: 1); copies/tok: host-to-device "
+    "expert copies per new token",
+    "more columns (nodes per cycle, forecasts, MiB, waits, hit rate, host lane): specfit demo --wide")
+
+
+def narrow_table(rows: list[dict], title: str = "") -> str:
+    """The demo's table in under 80 columns: tok/s, against AR and EAGLE-3, tokens per cycle, copies per token.
+
+    >>> rows = [dict(method="ar", label="AR", tok_s=10.0, tokens_per_cycle=1.0, copies_per_token=9.0),
+    ...         dict(method="eagle3", label="EAGLE-3", tok_s=12.0, tokens_per_cycle=3.1, copies_per_token=12.0),
+    ...         dict(method="specfit", label="SpecFit", tok_s=13.0, tokens_per_cycle=2.4, copies_per_token=8.0)]
+    >>> print(narrow_table(rows))
+    method                   tok/s     vs AR  vs EAGLE-3  tok/cyc  copies/tok
+    -------------------------------------------------------------------------
+    AR                        10.0     x1.00       x0.83     1.00        9.00
+    EAGLE-3                   12.0     x1.20       x1.00     3.10       12.00
+    SpecFit                   13.0     x1.30       x1.08     2.40        8.00
+    """
+    tok = {r["method"]: r["tok_s"] for r in rows}
+    ratio = lambda r, m: "-" if not tok.get(m) else f"x{r['tok_s'] / tok[m]:.2f}"  # noqa: E731
+    head = f"{'method':<22}{'tok/s':>8}{'vs AR':>10}{'vs EAGLE-3':>12}{'tok/cyc':>9}{'copies/tok':>12}"
+    lines = ([title] if title else []) + [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['label'][:21]:<22}{r['tok_s']:>8.1f}{ratio(r, 'ar'):>10}{ratio(r, 'eagle3'):>12}"
+                     f"{r['tokens_per_cycle']:>9.2f}{r['copies_per_token']:>12.2f}")
+    return "\n".join(lines)
+
+
+def table_verdict(rows: list[dict], per_prompt: dict[str, list[float]], ours: str = "specfit") -> str:
+    """SpecFit against AR and against EAGLE-3, read from the table's tok/s (``rows``), each with the spread over
+    prompts of SpecFit's per-prompt ratio to that method (``per_prompt``: method -> whole-call tok/s per prompt), and
+    what that says: faster than both, slower than one, or not clearly different.
+
+    >>> rows = [dict(method="ar", tok_s=10.0), dict(method="eagle3", tok_s=12.0), dict(method="specfit", tok_s=11.0)]
+    >>> table_verdict(rows, {"ar": [10, 10], "eagle3": [12, 12], "specfit": [11, 11.2]})
+    'SpecFit +10% against AR (spread 1%), -8% against EAGLE-3 (spread 1%), 2 prompts: slower than EAGLE-3 here'
+    """
+    tok = {r["method"]: r["tok_s"] for r in rows}
+    n = len(per_prompt[ours])
+    parts, slower, unclear = [], [], []
+    for other in (m for m in ("ar", "eagle3") if m in tok and m != ours):
+        label = LABELS[other]
+        gain = tok[ours] / tok[other] - 1 if tok[other] else 0.0
+        spread = statistics.stdev(a / b for a, b in zip(per_prompt[ours], per_prompt[other])) if n > 1 else None
+        parts.append(f"{percent(gain)} against {label}" + ("" if spread is None else f" (spread {spread:.0%})"))
+        if spread is not None and abs(gain) <= spread:
+            unclear.append(label)
+        elif gain < 0:
+            slower.append(label)
+    if slower:
+        said = f"slower than {' and '.join(slower)} here"
+    elif unclear:
+        said = f"not clearly different from {' and '.join(unclear)} here (inside the spread)"
+    else:
+        said = "faster than both here"
+    count = f"{n} prompt{'s' if n != 1 else ''}" + (" (no spread to judge by: use more prompts)" if n == 1 else "")
+    return f"{LABELS[ours]} {', '.join(parts)}, {count}: {said}"
 
 
 def notes(caught) -> list[str]:
