@@ -34,7 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--host", default="localhost", help="server listen address")
     p.add_argument("--port", type=int, default=8000, help="server listen port")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the embedded model)")
-    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="server log level (uvicorn and transformers)")
 
 
 def check_arguments(args) -> None:

@@ -87,7 +87,9 @@ def serve(model, tokenizer, *, host: str = "localhost", port: int = 8000, name: 
     Ctrl-C (returns then, without a traceback); ``background=True``: on a thread, returns the running ``Server``
     (``.url``, ``.stop()``). Every request is decoded with ``assistant`` unless it names another."""
     import uvicorn
+    from transformers.utils import logging
 
+    logging.get_logger("transformers").setLevel(logging.log_levels[log_level])  # as `transformers serve` does
     app = build_app(model, tokenizer, name=name, max_queue=max_queue, assistant=assistant)
     if background:
         return Server(app, host=host, port=port, log_level=log_level).start()
