@@ -40,8 +40,14 @@ def add_arguments(p) -> None:
 
 def check_arguments(args) -> None:
     """Every option, before torch is imported: a refusal names the value and what would be right."""
+    from importlib.util import find_spec
+
     from ..embedded.paths import TARGET_DIR
 
+    missing = [name for name in ("fastapi", "uvicorn", "openai", "pydantic") if find_spec(name) is None]
+    if missing:
+        raise ValueError(f"specfit serve needs {', '.join(missing)} (transformers' serving stack): "
+                         f"pip install 'specfit[serve]'")
     cli_checks.at_least(args, 1, "slots", "max_queue", "threads", "depth", "max_nodes", "topk")
     cli_checks.milliseconds(args, "link_ms")
     if not 0 <= args.port <= 65535:
