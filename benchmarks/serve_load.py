@@ -56,7 +56,7 @@ def main():
     for q in QUESTIONS:  # plain greedy: the reference every answer must equal (and a warm-up)
         ids = tokenizer(prompts[q], return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=False)
-        expected[q] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        expected[q] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()  # a chat reply
     client.chat.completions.create(model="specfit", messages=messages[QUESTIONS[0]], max_tokens=4, temperature=0)
 
     # 1. overhead, interleaved
