@@ -22,10 +22,11 @@ def test_the_readme_is_short_and_starts_with_the_commands():
     assert "never yet run on a GPU" in opening and "emulated" in opening  # what it was measured on, said first
 
 
-def test_the_readme_links_the_docs_and_keeps_a_place_for_serving():
+def test_the_readme_links_the_docs_and_shows_serving_and_batches():
     for name in ("design", "options", "results"):
         assert f"(docs/{name}.md)" in README and (ROOT / "docs" / f"{name}.md").is_file(), name
-    assert "## Serving and batches" in README and "<!-- Reserved:" in README
+    assert "## Serving and batches" in README and "`specfit serve" in README and "(docs/serve.md)" in README
+    assert "(docs/batch.md)" in README and "--batch" in README
 
 
 def python_keywords() -> set[str]:

@@ -42,6 +42,8 @@ _LAZY = {
     "CalibrationRefused": "specfit.evaluation.calibrate",  # what specfit.calibrate raises for a fit it refuses
     "AcceptanceModel": "specfit.selection.acceptance_model",
     "AcceptanceTables": "specfit.selection.acceptance_model",
+    # an OpenAI-compatible server around an enabled model (needs the serve extra)
+    "serve": "specfit.serving.server",
 }
 # subpackages reachable as attributes after a plain `import specfit`, e.g. specfit.embedded.load(...)
 _SUBPACKAGES = ("embedded",)

@@ -93,6 +93,12 @@ SUBCOMMANDS = {
                  "Quantize the embedded target's projections to e4m3 with a float32 weight_scale_inv per 8x16 block "
                  "(the hub's FP8 layout; router, norms and embeddings stay bf16). `specfit demo --fp8` and "
                  "`specfit bench --fp8` build the same variant into the user cache themselves."),
+    "serve": ("specfit.serving.command", "serve the model with SpecFit behind an OpenAI-compatible server",
+              "Serve the model (default: the embedded one) with its experts offloaded and SpecFit decoding behind "
+              "transformers' own OpenAI-compatible server (transformers serve): /v1/chat/completions and "
+              "/v1/completions, streaming or not, /v1/models, and each request's SpecFit counters at "
+              "/v1/specfit/stats/ID. Requests are served one at a time in arrival order; more than --max-queue "
+              "waiting get 429. Needs the serve extra: pip install 'specfit[serve]'. docs/serve.md says more."),
     "train-target": ("specfit.training.target", "train the embedded Qwen3-MoE (and its tokenizer) from scratch",
                      "Train the embedded Qwen3-MoE and its tokenizer from scratch on GSM8K and OpenStax text "
                      "(needs the local data folder)."),

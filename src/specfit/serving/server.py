@@ -1,0 +1,101 @@
+"""``specfit.serve``: transformers' FastAPI app (``transformers.cli.serving.server.build_server``) around a
+SpecFit-enabled model, run by uvicorn. ``build_app`` makes the app; ``Server`` runs it on a thread (tests, notebooks,
+benchmarks); ``serve`` runs it in the foreground until Ctrl-C."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+DEFAULT_NAME = "specfit"
+DEFAULT_MAX_QUEUE = 64
+
+
+def build_app(model, tokenizer, *, name: str = DEFAULT_NAME, max_queue: int = DEFAULT_MAX_QUEUE,
+              assistant: str | None = "specfit"):
+    """The OpenAI-compatible app serving ``model`` (enabled by SpecFit) as ``name``: /v1/chat/completions,
+    /v1/completions, /v1/models, /health, and GET /v1/specfit/stats/{id} (the SpecFit counters of a request, by its
+    response id). Every request is decoded with ``assistant`` unless it sets the field ``assistant`` itself."""
+    from fastapi import HTTPException
+    from transformers.cli.serving.response import ResponseHandler
+    from transformers.cli.serving.server import build_server
+
+    from .seam import PLAIN_RESPONSE, PLAIN_TEMPLATE, PinnedModels, SpecFitChat, SpecFitCompletion, SpecFitGenerateManager, \
+        SpecFitGeneration
+
+    if max_queue < 1:
+        raise ValueError(f"max_queue must be >= 1 (requests running or waiting at once), got {max_queue}")
+    if tokenizer is None:
+        raise ValueError("serve needs the model's tokenizer (the checkpoint has none): pass tokenizer=")
+    if getattr(tokenizer, "chat_template", None) is None:  # the embedded model has none: a plain one (seam.py)
+        tokenizer.chat_template, tokenizer.response_template = PLAIN_TEMPLATE, PLAIN_RESPONSE
+    models = PinnedModels(name, model, tokenizer)
+    manager = SpecFitGenerateManager(model, max_queue=max_queue, default_assistant=assistant)
+    state = SpecFitGeneration(manager)
+    app = build_server(models, SpecFitChat(models, state), SpecFitCompletion(models, state),
+                       ResponseHandler(models, state), transcription_handler=None, systemone_handler=None,
+                       generation_state=state)
+
+    @app.get("/v1/specfit/stats/{request_id}")
+    def request_stats(request_id: str):
+        stats = manager.stats.get(request_id)
+        if stats is None:
+            raise HTTPException(status_code=404, detail=f"no finished request {request_id!r} (the last "
+                                                        f"{len(manager.stats)} are kept)")
+        return stats
+
+    app.state.specfit_manager = manager
+    return app
+
+
+class Server:
+    """uvicorn serving ``app`` on a daemon thread; ``start()`` returns once it accepts connections."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "Server":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.config.host}:{self.config.port}")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve(model, tokenizer, *, host: str = "localhost", port: int = 8000, name: str = DEFAULT_NAME,
+          max_queue: int = DEFAULT_MAX_QUEUE, assistant: str | None = "specfit", log_level: str = "warning",
+          background: bool = False):
+    """Serve ``model`` (enabled by SpecFit) with an OpenAI-compatible API on ``host:port``. In the foreground until
+    Ctrl-C (returns then, without a traceback); ``background=True``: on a thread, returns the running ``Server``
+    (``.url``, ``.stop()``). Every request is decoded with ``assistant`` unless it names another."""
+    import uvicorn
+    from transformers.utils import logging
+
+    logging.get_logger("transformers").setLevel(logging.log_levels[log_level])  # as `transformers serve` does
+    app = build_app(model, tokenizer, name=name, max_queue=max_queue, assistant=assistant)
+    if background:
+        return Server(app, host=host, port=port, log_level=log_level).start()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    try:
+        server.run()  # uvicorn turns SIGINT / SIGTERM into a graceful shutdown
+    except KeyboardInterrupt:
+        pass
+    return None
