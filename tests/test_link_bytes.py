@@ -13,7 +13,7 @@ from conftest import tiny_moe
 import specfit
 from specfit import embedded
 from specfit.evaluation import probes
-from specfit.offload import bandwidth
+from specfit.offload import bandwidth, cache
 from specfit.offload.link import LinkConfig
 from specfit.selection import profiles
 from specfit.selection.cost_model import CostModel
@@ -58,7 +58,7 @@ class FakeCuda:
     def __init__(self, rate: float):
         self.rate, self.moved = rate, 0
 
-    def Stream(self, device):
+    def Stream(self, device, priority=0):
         return types.SimpleNamespace(synchronize=lambda: None)
 
     def Event(self, enable_timing):
@@ -83,6 +83,9 @@ class FakeCuda:
             def copy_(self, src, non_blocking=False):
                 cuda.moved += src.numel() * src.element_size()
 
+            def record_stream(self, stream):
+                pass
+
         return Target()
 
 
@@ -90,12 +93,18 @@ def test_cudas_link_time_is_one_experts_bytes_over_the_bandwidth(monkeypatch):
     model = specfit.enable(tiny_moe(), cache_slots=3)
     store = model.specfit.store
     cuda = FakeCuda(rate=2e9)
-    monkeypatch.setattr(bandwidth, "torch", types.SimpleNamespace(cuda=cuda, empty_like=cuda.empty_like))
-    runtime = types.SimpleNamespace(store=store, device=torch.device("cuda"), config=types.SimpleNamespace(link=None),
-                                    engine=types.SimpleNamespace(link=None))
+    fake_torch = types.SimpleNamespace(cuda=cuda, empty_like=cuda.empty_like)
+    monkeypatch.setattr(bandwidth, "torch", fake_torch)
+    monkeypatch.setattr(cache, "torch", fake_torch)  # CUDA's own streams (cache.CudaStreams) on the fake
+    engine = types.SimpleNamespace(link=None, streams=cache.CudaStreams(torch.device("cuda")))
+    runtime = types.SimpleNamespace(store=store, device=torch.device("cuda"), cuda=True,
+                                    config=types.SimpleNamespace(link=None), engine=engine)
     runtime.copy_seconds = types.MethodType(SpecFitRuntime.copy_seconds, runtime)
     assert profiles.link_seconds(runtime) == pytest.approx(store.expert_bytes / 2e9)  # through copy_seconds
     assert bandwidth.copy_seconds(runtime) is runtime._link_copy_seconds  # measured once per runtime
+    cuda.moved = 0  # a benchmark's runtime: the store and device alone, no copy engine (its streams: CUDA's own)
+    bare = types.SimpleNamespace(store=store, device=torch.device("cuda"))
+    assert bandwidth.copy_seconds(bare) == pytest.approx(store.expert_bytes / 2e9)
 
 
 def test_the_paper_fit_warns_on_another_link_or_slot_count():

@@ -16,6 +16,8 @@ def verdict(per_prompt: dict[str, list[float]], ours: str = "specfit") -> str:
 
     >>> verdict({"ar": [10, 10], "eagle3": [20, 20], "specfit": [22, 24]})
     'SpecFit +15% over EAGLE-3 (spread +-7%, 2 prompts)'
+    >>> verdict({"ar": [10, 10], "specfit": [12, 12]})
+    'SpecFit +20% over AR (spread under 1%, 2 prompts)'
     """
     others = {m: v for m, v in per_prompt.items() if m != ours}
     if ours not in per_prompt or not others:
@@ -32,7 +34,8 @@ def verdict(per_prompt: dict[str, list[float]], ours: str = "specfit") -> str:
         return f"{head} (1 prompt: no spread to judge it by; use more prompts)"
     spread = statistics.stdev(a / b for a, b in zip(mine, theirs))
     tail = ": within the spread, not a clear difference" if abs(gain) <= spread else ""
-    return f"{head} (spread +-{spread * 100:.0f}%, {n} prompts){tail}"
+    shown = f"+-{spread * 100:.0f}%" if spread >= 0.005 else "under 1%"  # never "+-0%", which reads as a loss
+    return f"{head} (spread {shown}, {n} prompts){tail}"
 
 
 def percent(gain: float) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..transfer import host_wait
+from .cache import CudaStreams
 
 ROUNDS = 24  # timed copies; the median is kept (the first few warm the copy path up)
 
@@ -20,7 +21,9 @@ def copy_seconds(runtime, rounds: int = ROUNDS) -> float:
     cached = getattr(runtime, "_link_copy_seconds", None)
     if cached is not None:
         return cached
-    store, streams = runtime.store, runtime.engine.streams
+    store = runtime.store
+    engine = getattr(runtime, "engine", None)  # a benchmark passes the store and device alone: CUDA's own streams
+    streams = engine.streams if engine is not None else CudaStreams(runtime.device)
     source = store.arenas[0][0]  # [expert_numel] one expert as stored, in the pinned arena
     target = torch.empty_like(source, device=runtime.device)
     stream = streams.new_stream(priority=0)  # a stream of its own: no forward's copies queue with the probe's
