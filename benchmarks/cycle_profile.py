@@ -19,6 +19,7 @@ import inspect
 import json
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -128,9 +129,19 @@ class Profiler:
         return gen
 
 
+def same_levels_method(depth: int) -> str:
+    """EAGLE-3 drafting ``depth`` levels, a method of this run: SpecFit's drafting per level compares with EAGLE-3's
+    at the same number of levels (the per-cycle work of drafting, the extend and the first level, spread alike)."""
+    name = f"eagle3-depth{depth}"
+    METHODS[name] = replace(METHODS["eagle3"], label=f"EAGLE-3 + cache, depth {depth}", options=(("depth", depth),))
+    return name
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
-    methods = args.methods
+    methods = list(args.methods)
+    if args.eagle3_depth:
+        methods.insert(1 if methods[0] == "eagle3" else 0, same_levels_method(args.eagle3_depth))
     link = link_seconds(args.link_ms if args.link_ms != 0 else None)[0] if args.link_ms != 0 else None
     args.link_ms = embedded.link_seconds_per_expert(link) * 1e3 if link is not None else 0
     instances, tokenizer = load_instances(methods, args.slots, link)
@@ -249,6 +260,9 @@ def main(argv=None) -> int:
                    help="emulated ms per expert copy; 0: no link (default: the embedded model's structural default)")
     p.add_argument("--methods", nargs="+", default=["ar", "eagle3", "specfit"], choices=list(METHODS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--eagle3-depth", type=int, default=None,
+                   help="also run EAGLE-3 drafting this many levels (SpecFit's levels per cycle, rounded): drafting "
+                        "per level compared at the same number of levels")
     p.add_argument("--out", default=None, help="folder for profile.json and profile.md")
     args = p.parse_args(argv)
     result = run(args)
