@@ -19,6 +19,7 @@ import inspect
 import json
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,7 +38,8 @@ from specfit.stats import GenerateScope
 
 # part -> [(owner, attribute)]: the functions whose exclusive time makes up the part
 PARTS = {
-    "drafter forwards": [(drafter_module.Eagle3Drafter, "forward")],
+    "drafter forward, committed tokens (extend)": [],  # the drafter forward inside TreeDrafter.extend (filled below)
+    "drafter forwards, drafted levels": [(drafter_module.Eagle3Drafter, "forward")],
     "tree building, drafter bookkeeping": [(levels.TreeDrafter, "levels"), (levels.TreeDrafter, "_process"),
                                            (levels.TreeDrafter, "_forward"),
                                            (levels.TreeDrafter, "_add_children"), (levels.TreeDrafter, "extend"),
@@ -57,6 +59,11 @@ PARTS = {
     "commit, stopping criteria": [(loop._Run, "commit")],
 }
 TARGET_FORWARD = "verify forward: attention and other dense"
+LEVELS = levels.TreeDrafter.levels  # the generator whose yields are the drafted levels
+EXTEND_FORWARD = "drafter forward, committed tokens (extend)"
+# drafting per level: all a cycle does before its verify forward except the forward over the committed tokens (one
+# per drafted cycle whatever the levels), divided by the levels drafted
+LEVEL_PARTS = ("drafter forwards, drafted levels", "tree building, drafter bookkeeping", "route source", "selector")
 
 
 class Profiler:
@@ -64,6 +71,7 @@ class Profiler:
         self.on = False
         self.stack: list[list] = []  # [part, start, child_time]
         self.totals: dict[str, float] = defaultdict(float)
+        self.levels = 0  # drafted levels yielded by TreeDrafter.levels while on
 
     def timed_call(self, part: str, call):
         """call() with its exclusive time added to ``part`` (its wrapped callees' time taken out)."""
@@ -114,14 +122,26 @@ class Profiler:
                 value = self.timed_call(part, lambda: next(it, done))
                 if value is done:
                     return
+                if self.on and fn is LEVELS:
+                    self.levels += 1
                 yield value
 
         return gen
 
 
+def same_levels_method(depth: int) -> str:
+    """EAGLE-3 drafting ``depth`` levels, a method of this run: SpecFit's drafting per level compares with EAGLE-3's
+    at the same number of levels (the per-cycle work of drafting, the extend and the first level, spread alike)."""
+    name = f"eagle3-depth{depth}"
+    METHODS[name] = replace(METHODS["eagle3"], label=f"EAGLE-3 + cache, depth {depth}", options=(("depth", depth),))
+    return name
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
-    methods = args.methods
+    methods = list(args.methods)
+    if args.eagle3_depth:
+        methods.insert(1 if methods[0] == "eagle3" else 0, same_levels_method(args.eagle3_depth))
     link = link_seconds(args.link_ms if args.link_ms != 0 else None)[0] if args.link_ms != 0 else None
     args.link_ms = embedded.link_seconds_per_expert(link) * 1e3 if link is not None else 0
     instances, tokenizer = load_instances(methods, args.slots, link)
@@ -129,6 +149,19 @@ def run(args) -> dict:
                for t in datasets.prompts(args.workload, args.prompts, max_chars=1800)]
     prof = Profiler()
     undo = prof.install()
+    # the drafter's forward over committed tokens counts apart from the drafted levels' forwards
+    orig_extend_forward = levels.TreeDrafter.extend
+
+    def extend(self, *a, **k):
+        forward = self.drafter.forward
+        self.drafter.forward = prof.wrap(EXTEND_FORWARD, forward.__wrapped__.__get__(self.drafter))
+        try:
+            return orig_extend_forward(self, *a, **k)
+        finally:
+            del self.drafter.forward
+
+    levels.TreeDrafter.extend = extend
+    undo.append((levels.TreeDrafter, "extend", orig_extend_forward))
     # the target forward: each model's own forward, wrapped per instance (time outside the experts function)
     for model in instances.values():
         model.forward = prof.wrap(TARGET_FORWARD, model.forward)
@@ -149,10 +182,12 @@ def run(args) -> dict:
     try:
         parts = {m: defaultdict(float) for m in methods}
         counters = {m: specfit.Counters() for m in methods}
+        drafted = {m: 0 for m in methods}
         reference = None
         for i, ids in enumerate(prompts):
             for method, model in instances.items():
                 prof.totals = defaultdict(float)
+                prof.levels = 0
                 out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
                                      assistant=METHODS[method].assistant)
                 if method == methods[0]:
@@ -161,6 +196,7 @@ def run(args) -> dict:
                     raise AssertionError(f"{method} differs from {methods[0]} on prompt {i}: lossless is broken")
                 if i >= 1:  # the first prompt warms up
                     counters[method] += model.specfit.stats.last_generate
+                    drafted[method] += prof.levels
                     for k, v in prof.totals.items():
                         parts[method][k] += v
         for method in methods:
@@ -170,13 +206,18 @@ def run(args) -> dict:
             total = 1e3 * c.decode_seconds / cycles
             per_cycle["other (loop, stats, generate() around the cycles)"] = total - sum(per_cycle.values())
             overhead = total - sum(v for k, v in per_cycle.items() if k.startswith("verify forward"))
+            levels_per_cycle = drafted[method] / cycles
+            per_level = sum(per_cycle[k] for k in LEVEL_PARTS) / levels_per_cycle if levels_per_cycle else 0.0
             result[method] = dict(cycle_ms=total, tokens_per_cycle=c.tokens_per_cycle,
                                   nodes_per_cycle=c.nodes_per_cycle, copies_per_token=c.copies_per_token,
                                   tok_s=c.tokens_per_second, parts_ms=per_cycle,
-                                  overhead_share=overhead / total if total else 0.0)
+                                  overhead_share=overhead / total if total else 0.0,
+                                  levels_per_cycle=levels_per_cycle, drafting_per_level_ms=per_level,
+                                  parts_per_level_ms={k: per_cycle[k] / levels_per_cycle if levels_per_cycle else 0.0
+                                                      for k in LEVEL_PARTS})
     finally:
         GenerateScope.prefill_done, GenerateScope.end = orig_prefill, orig_end
-        for owner, name, original in undo:
+        for owner, name, original in reversed(undo):
             setattr(owner, name, original)
     return result
 
@@ -195,12 +236,17 @@ def table(result: dict, args) -> str:
                            ("expert copies per token", "copies_per_token", "{:.2f}"),
                            ("ms per token", None, None), ("overhead share (all but the verify forward)",
                                                           "overhead_share", "{:.0%}"),
-                           ("tok/s (decode, wall clock, instrumented)", "tok_s", "{:.1f}")):
+                           ("tok/s (decode, wall clock, instrumented)", "tok_s", "{:.1f}"),
+                           ("levels drafted per cycle", "levels_per_cycle", "{:.2f}"),
+                           ("**drafting per level drafted (ms)**", "drafting_per_level_ms", "{:.3f}")):
         if key is None:
             cells = [f"{result[m]['cycle_ms'] / (result[m]['tokens_per_cycle'] or 1):.2f}" for m in methods]
         else:
             cells = [fmt.format(result[m][key]) for m in methods]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for part in LEVEL_PARTS:
+        cells = [f"{result[m]['parts_per_level_ms'][part]:.3f}" for m in methods]
+        lines.append(f"| per level: {part} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -214,6 +260,9 @@ def main(argv=None) -> int:
                    help="emulated ms per expert copy; 0: no link (default: the embedded model's structural default)")
     p.add_argument("--methods", nargs="+", default=["ar", "eagle3", "specfit"], choices=list(METHODS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--eagle3-depth", type=int, default=None,
+                   help="also run EAGLE-3 drafting this many levels (SpecFit's levels per cycle, rounded): drafting "
+                        "per level compared at the same number of levels")
     p.add_argument("--out", default=None, help="folder for profile.json and profile.md")
     args = p.parse_args(argv)
     result = run(args)

@@ -263,13 +263,21 @@ def test_cycle_profile_parts_add_up(tmp_path):
     except datasets.DataUnavailable as err:
         pytest.skip(f"GSM8K is not reachable (no local data folder and no hub): {err}")
     assert cycle_profile.main(["--prompts", "2", "--max-new-tokens", "8", "--methods", "ar", "specfit",
-                               "--out", str(tmp_path)]) == 0
+                               "--eagle3-depth", "2", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "profile.json").read_text())["result"]
     for method, r in result.items():
         parts = r["parts_ms"]
         assert sum(parts.values()) == pytest.approx(r["cycle_ms"], rel=1e-9)
         assert all(v >= 0 for k, v in parts.items() if not k.startswith("other")), (method, parts)
-    assert result["ar"]["parts_ms"]["drafter forwards"] == 0 and result["ar"]["tokens_per_cycle"] == 1
+        per_level = sum(r["parts_per_level_ms"].values())
+        assert r["drafting_per_level_ms"] == pytest.approx(per_level, rel=1e-9)
+    ar = result["ar"]
+    assert ar["parts_ms"]["drafter forwards, drafted levels"] == 0 and ar["tokens_per_cycle"] == 1
+    assert ar["levels_per_cycle"] == 0 and ar["parts_ms"]["drafter forward, committed tokens (extend)"] == 0
+    # EAGLE-3 drafts every level it is given: the levels counted are exactly its depth
+    eagle = result["eagle3-depth2"]
+    assert eagle["levels_per_cycle"] == 2 and eagle["drafting_per_level_ms"] > 0
+    assert eagle["parts_ms"]["drafter forward, committed tokens (extend)"] > 0
     assert (tmp_path / "profile.md").read_text().startswith("Cycle profile")
 
 

@@ -161,7 +161,10 @@ class SpecFitGenerator(Eagle3Generator):
         self._pending.append((features, next_tokens))
 
     def _catch_up(self) -> None:
-        if self._pending:
+        if len(self._pending) == 1:  # the usual case (the last cycle drafted): no copy
+            features, tokens = self._pending.pop()
+            self.drafter.extend(features, tokens)
+        elif self._pending:
             features = torch.cat([f for f, _ in self._pending], dim=1)  # [1, m, 3H]
             tokens = torch.cat([t for _, t in self._pending], dim=1)  # [1, m]
             self._pending.clear()

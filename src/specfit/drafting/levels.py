@@ -26,7 +26,7 @@ import torch
 
 from ..transfer import Staging, to_host
 from .drafter import DraftCache, Eagle3Drafter
-from .tree import DraftTree, ancestors_or_self
+from .tree import DraftTree
 
 
 class TreeDrafter:
@@ -48,7 +48,12 @@ class TreeDrafter:
         self._out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # processed node -> (logits [Vd], state [H])
         self._slot: dict[int, int] = {}  # processed node -> its drafter KV position
         self._children: dict[int, tuple[list[float], list[int]]] = {}  # processed node -> its top-k (q, tokens)
-        self._routes: dict[int, np.ndarray] = {}  # node (-1: the root) -> bool routes [L, E], host
+        self._routes: np.ndarray | None = None  # bool routes of the pool nodes [max_pool, L, E], host (per cycle)
+        self._root_routes: np.ndarray | None = None  # bool routes of the root [L, E], host
+        self._routed = 0  # pool nodes whose routes came back so far this cycle
+        # ancestor-or-self rows of processed nodes over the tree part of the drafter's KV [max_pool, max_pool]: a
+        # child's row is its parent's plus its own slot, so a level's mask rows are one gather (no per-node walk)
+        self._ancestry = np.zeros((max_pool, max_pool), dtype=bool)
 
     def reset(self) -> None:
         self.cache, self.stable = DraftCache(), 0
@@ -71,7 +76,7 @@ class TreeDrafter:
             raise RuntimeError("TreeDrafter.extend() must run before drafting")
         self.cache.crop(self.stable)
         self.tree, self._drafted_by, self._out, self._slot = DraftTree(), {}, {}, {}
-        self._children, self._routes = {}, {}
+        self._children, self._routes, self._root_routes, self._routed = {}, None, None, 0
         tree = self.tree
         # level 1: the root's children, processed from the device's top-k before their tokens reach the host
         q, ids = self._topk(self.root_logits[None])  # [1, k], [1, k]
@@ -102,9 +107,10 @@ class TreeDrafter:
     def routes(self) -> tuple[np.ndarray, np.ndarray]:
         """Host bool routes of the pool nodes [N, L, E] and of the root [L, E], from the route head (every node of
         the drafted levels; the root's come with level 1)."""
-        root = self._routes[-1]
-        nodes = [self._routes[v] for v in range(len(self.tree))]
-        return (np.stack(nodes) if nodes else np.zeros((0, *root.shape), dtype=bool)), root
+        root, n = self._root_routes, len(self.tree)
+        if root is None or self._routed != n:
+            raise RuntimeError(f"routes of {self._routed} of {n} pool nodes came back: set route_head before drafting")
+        return (self._routes[:n] if n else np.zeros((0, *root.shape), dtype=bool)), root
 
     @torch.no_grad()
     def states(self, nodes) -> torch.Tensor:
@@ -136,10 +142,14 @@ class TreeDrafter:
             for v, qs, ts in zip(nodes, q, tokens):
                 self._children[v] = (qs, ts)
         if self.route_head is not None and head_in:
-            routes = rest[-1]
-            keys = ([-1] if root else []) + list(nodes)
-            for key, r in zip(keys, routes):
-                self._routes[key] = r
+            routes = rest[-1]  # [(1 +) n, L, E] host
+            if root:
+                self._root_routes, routes = routes[0], routes[1:]
+            if len(nodes):
+                if self._routes is None:  # this cycle's rows (a fresh array: last cycle's views stay valid)
+                    self._routes = np.zeros((self.max_pool, *routes.shape[1:]), dtype=bool)
+                self._routes[nodes] = routes
+                self._routed += len(nodes)
         return list(root_part)
 
     def _forward(self, todo: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,10 +160,17 @@ class TreeDrafter:
         base, n = len(self.cache), len(todo)
         for i, v in enumerate(todo):
             self._slot[v] = base + i
-        rows = np.zeros((n, base + n - self.stable), dtype=np.int64)  # [n, tree part of the KV]
-        for i, v in enumerate(todo):  # ancestors are all processed: a node is drafted by processing its parent
-            rows[i, [self._slot[a] - self.stable for a in ancestors_or_self(tree.parents, v)]] = 1
-        positions = [self.stable + tree.depths[v] - 1 for v in todo]
+        ancestry, parents, depths, slot = self._ancestry, tree.parents, tree.depths, self._slot
+        own = [base + i - self.stable for i in range(n)]  # tree-KV index of each node's own entry
+        for v, k in zip(todo, own):  # ancestors are all processed: a node is drafted by processing its parent
+            p = parents[v]
+            if p >= 0:
+                ancestry[k] = ancestry[slot[p] - self.stable]
+            else:
+                ancestry[k] = False
+            ancestry[k, k] = True
+        rows = ancestry[own, : base + n - self.stable].astype(np.int64)  # [n, tree part of the KV]
+        positions = [self.stable + depths[v] - 1 for v in todo]
         rows_d, positions_d = self._stage().to_device(rows, positions)
         dtype = self.drafter.fc.weight.dtype
         mask = torch.full((n, base + n), torch.finfo(dtype).min, dtype=dtype, device=device)  # [n, base + n]

@@ -166,10 +166,10 @@ class SpecFitRuntime:
         """bool [layers, experts]: which experts sit in a device slot now."""
         import numpy as np
 
-        mask = np.zeros((len(self.layers), self.num_experts), dtype=bool)
-        for i, layer in enumerate(self.layers):
-            mask[i, list(layer.cache.lru.resident)] = True
-        return mask
+        width = self.num_experts
+        flat = np.zeros(len(self.layers) * width, dtype=bool)  # [layers * experts]: one write for every layer
+        flat[[i * width + e for i, layer in enumerate(self.layers) for e in layer.cache.lru.resident]] = True
+        return flat.reshape(len(self.layers), width)
 
     def prefetch(self, experts) -> None:
         """Start copying the experts of bool [layers, experts] that are not resident, on the prefetch stream (no

@@ -67,8 +67,10 @@ class RoutePredictor(nn.Module):
         return head.to(weight.device)
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
-        """states [N, H] -> expert logits [N, L, E]."""
-        return torch.einsum("nh,leh->nle", states.float(), self.weight) + self.bias
+        """states [N, H] -> expert logits [N, L, E]: one matmul over every layer's experts at once (the einsum
+        ``nh,leh->nle`` computed as the same [N, H] x [H, L*E] product, bit for bit, without einsum's planning)."""
+        flat = states.float() @ self.weight.view(-1, self.hidden_size).T  # [N, L*E]
+        return flat.view(-1, self.num_layers, self.num_experts) + self.bias
 
     def choice_scores(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [N, L, E] -> the scores the routers rank ([N, L, E]; -inf outside the kept expert groups)."""
