@@ -145,3 +145,50 @@ def test_compare_takes_a_batch():
         assert row["new_tokens"] == 12 and row["tok_s"] == pytest.approx(12 / row["seconds"], rel=0.01)
     with pytest.raises(ValueError, match="batch must be an integer >= 1"):
         specfit.compare(model, None, prompts, max_new_tokens=6, warmup=False, as_frame=False, batch=0)
+
+
+@pytest.mark.parametrize("assistant", ["eagle3", "specfit"])
+def test_batch_drafted_together_equals_plain_generate(assistant):
+    """With an ``Eagle3Drafter`` the rows draft together (one drafter forward per step for every row, the rows
+    stacked) and every row's output is still plain generate()'s."""
+    from specfit.drafting.drafter import Eagle3Config, Eagle3Drafter
+
+    ids, mask = padded_batch()
+    expected = tiny_moe().generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    model = tiny_moe()
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(Eagle3Config.from_target(model.config, draft_vocab_size=256, intermediate_size=32))
+    rows_seen = []
+    drafter.register_forward_hook(lambda module, args, out: rows_seen.append(args[0].shape[0]))
+    model = specfit.enable(model, cache_slots=4, drafter=drafter, cost_model=COST, route_source="gate")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, assistant=assistant)
+    assert torch.equal(out, expected)
+    assert max(rows_seen) == 3  # the three rows in one drafter forward
+    # per cycle: one catch-up forward and one per drafted level, however many rows
+    assert len(rows_seen) <= (1 + model.specfit.options.depth) * model.specfit.stats.last_generate.cycles
+
+
+def test_batch_rows_back_off_on_their_own_and_leave_batch_ones_backoff_alone():
+    """A profile where every drafted node costs more than a whole plain step: each row's winner is its root alone,
+    so each row backs off (skipping drafting, no drafter forward for it) on its own ladder; the runtime's backoff,
+    which batch-1 calls keep across calls, is not touched by the batch; the output is still plain's."""
+    from specfit.drafting.drafter import Eagle3Config, Eagle3Drafter
+
+    ids, mask = padded_batch()
+    expected = tiny_moe().generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    model = tiny_moe()
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(Eagle3Config.from_target(model.config, draft_vocab_size=256, intermediate_size=32))
+    forwards = []
+    drafter.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape[0]))
+    steep = CostModel(intercepts=(1.0,) + tuple(50.0 * k for k in range(1, 8)), beta=0.002, copy_overhead=0.008,
+                      link_share=1.0)
+    model = specfit.enable(model, cache_slots=4, drafter=drafter, cost_model=steep, route_source="gate")
+    model.generate(ids[2:], attention_mask=mask[2:], max_new_tokens=2, do_sample=False, assistant="specfit")
+    before = vars(model.specfit.backoff).copy()
+    forwards.clear()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant="specfit")
+    assert torch.equal(out, expected)
+    assert vars(model.specfit.backoff) == before
+    cycles = model.specfit.stats.last_generate.cycles
+    assert cycles >= 11 and len(forwards) < cycles  # most cycles: every row skips drafting, no drafter forward

@@ -86,6 +86,7 @@ class Eagle3Generator(TreeCandidateGenerator):
         opts = runtime.options
         self.max_nodes = opts.max_nodes
         self.drafter = TreeDrafter(runtime.drafter, opts.topk, opts.depth, opts.pool_nodes)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed pairs the drafter has not read yet
 
     def start(self, features, next_tokens):
         self.drafter.reset()
@@ -94,10 +95,39 @@ class Eagle3Generator(TreeCandidateGenerator):
     def observe(self, features, next_tokens):
         self.drafter.extend(features, next_tokens)
 
+    def _catch_up(self) -> None:
+        """The committed pairs waiting in ``_pending`` (SpecFit's way, and a batch's rows: ``batch_drafting.py``)
+        reach the drafter in one forward."""
+        if len(self._pending) == 1:  # the usual case (the last cycle drafted): no copy
+            features, tokens = self._pending.pop()
+            self.drafter.extend(features, tokens)
+        elif self._pending:
+            features = torch.cat([f for f, _ in self._pending], dim=1)  # [1, m, 3H]
+            tokens = torch.cat([t for _, t in self._pending], dim=1)  # [1, m]
+            self._pending.clear()
+            self.drafter.extend(features, tokens)
+
     def draft(self, cycle):
+        tree = self.begin_draft(cycle)
+        if tree is not None:
+            return tree
+        self._catch_up()
         tree = DraftTree()
         for tree in self.drafter.levels():
-            pass
+            if not self.level_drafted(tree, cycle):
+                break
+        return self.end_draft(tree)
+
+    # a cycle's drafting in three steps, so that a batch drafts every row's levels in one forward each
+    # (``decoding/batch_drafting.py``): begin (None: levels follow, after ``_catch_up``; else the cycle's tree),
+    # one call per drafted level (False: stop drafting), end
+    def begin_draft(self, cycle) -> DraftTree | None:
+        return None
+
+    def level_drafted(self, tree: DraftTree, cycle) -> bool:
+        return True
+
+    def end_draft(self, tree: DraftTree) -> DraftTree:
         return tree
 
     def select(self, tree, cycle):
@@ -136,7 +166,6 @@ class SpecFitGenerator(Eagle3Generator):
         if runtime.backoff is None:
             runtime.backoff = Backoff()
         self.backoff = runtime.backoff
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed pairs the drafter has not read yet
         self.calibrated = opts.acceptance == "calibrated"
         self.acceptance: AcceptanceModel | None = None  # this cycle's (per decoding mode, kept on the runtime)
         self.values: list[float] = []  # path value of each pool node this cycle
@@ -146,6 +175,7 @@ class SpecFitGenerator(Eagle3Generator):
         top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or 1
         self._root = (len(runtime.layers) * int(top_k),) * 2
         self._skipped = False
+        self._resident, self._level = None, None  # this cycle's resident mask and its newest level's pricing
         self._forecast_on = self._root  # (demand, misses) the cycle's forecast priced: the refresh learns on them
 
     def start(self, features, next_tokens):
@@ -160,17 +190,7 @@ class SpecFitGenerator(Eagle3Generator):
         the guard never charge a drafted cycle for the plain cycles before it."""
         self._pending.append((features, next_tokens))
 
-    def _catch_up(self) -> None:
-        if len(self._pending) == 1:  # the usual case (the last cycle drafted): no copy
-            features, tokens = self._pending.pop()
-            self.drafter.extend(features, tokens)
-        elif self._pending:
-            features = torch.cat([f for f, _ in self._pending], dim=1)  # [1, m, 3H]
-            tokens = torch.cat([t for _, t in self._pending], dim=1)  # [1, m]
-            self._pending.clear()
-            self.drafter.extend(features, tokens)
-
-    def draft(self, cycle):
+    def begin_draft(self, cycle):
         """Draft level by level; stop when the best subtree takes nothing from the newest level. When drafting has
         not paid for itself lately (the winner verified the root alone), skip it for a while: such a cycle is one
         target forward on the root, as in plain decoding. When the guard says EAGLE-3's way pays more now, draft
@@ -192,23 +212,27 @@ class SpecFitGenerator(Eagle3Generator):
             self.predicted_seconds = self._predict_root_only()
             self._forecast_on = self._root
             return DraftTree()
-        self._catch_up()
         cycle.drafter = self.drafter
         self.values, self.estimates = [], []
         if self.calibrated:
             self.acceptance = acceptance_model(self.runtime, cycle.sampling)
-        tree = DraftTree()
-        resident = self.runtime.resident_mask() if self.cost.miss else None  # [L, E], as this cycle starts
-        for tree in self.drafter.levels():
-            node_routes, root_routes = self.routes(cycle, tree)  # [N, L, E], [L, E]
-            cost = self.level_costs[tree.depth - 1] if self.level_costs else self.cost
-            values = self._path_values(tree) if self.calibrated else tree.path_probs
-            self.winner = select_subtree(tree.parents, values, node_routes, root_routes, cost, self.max_nodes,
-                                         resident=resident)
-            if self.prefetch:  # copy what the winner needs while the next level is drafted (residents: kept fresh)
-                self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
-            if not takes_from_level(self.winner, tree.depths, tree.depth):
-                break
+        self._resident = self.runtime.resident_mask() if self.cost.miss else None  # [L, E], as this cycle starts
+        return None
+
+    def level_drafted(self, tree, cycle):
+        node_routes, root_routes = self.routes(cycle, tree)  # [N, L, E], [L, E]
+        cost = self.level_costs[tree.depth - 1] if self.level_costs else self.cost
+        values = self._path_values(tree) if self.calibrated else tree.path_probs
+        self.winner = select_subtree(tree.parents, values, node_routes, root_routes, cost, self.max_nodes,
+                                     resident=self._resident)
+        self._level = (values, node_routes, root_routes)
+        if self.prefetch:  # copy what the winner needs while the next level is drafted (residents: kept fresh)
+            self.runtime.prefetch(root_routes | node_routes[list(self.winner.nodes)].any(0))
+        return takes_from_level(self.winner, tree.depths, tree.depth)
+
+    def end_draft(self, tree):
+        values, node_routes, root_routes = self._level
+        resident = self._resident
         self.levels = tree.depth
         self.runtime.expect_tree(values, node_routes)  # the pool: a forecast for the slot caches (offload/policies.py)
         root_demand = int(root_routes.sum())

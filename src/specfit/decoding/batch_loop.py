@@ -59,7 +59,7 @@ def decode_batch(model, assistant, input_ids, logits_processor, stopping_criteri
         if not runs[b].done:
             pad = prompt - lengths[b]
             nxt = torch.cat([input_ids[b:b + 1, pad + 1:], staging.to_device([[runs[b].tokens[-1]]])], dim=1)
-            trees.gens[b].start(features[b:b + 1, pad:], nxt)  # the row's own tokens, padding left out
+            trees.start(b, features[b:b + 1, pad:], nxt)  # the row's own tokens, padding left out
     active = list(range(rows))  # the prompt row of each cache row
     valid = mask.bool()  # [B, kv] positions each row's queries see (padding and holes: False)
     kv = prompt
@@ -111,7 +111,7 @@ def decode_batch(model, assistant, input_ids, logits_processor, stopping_criteri
             committed.append(runs[b].commit(accs[i]))
             lengths[b] += len(kept[i])
             if not runs[b].done:
-                trees.gens[b].observe(features[i:i + 1].index_select(1, keep_d[i, :len(kept[i])]),
+                trees.observe(b, features[i:i + 1].index_select(1, keep_d[i, :len(kept[i])]),
                                       staging.to_device([accs[i].tokens]))
         seconds = time.perf_counter() - t0
         trees.timed(active, seconds, verify, committed)

@@ -8,7 +8,9 @@ import torch
 
 from ..drafting.tree import DraftTree
 from ..selection.batch_rule import RowPool, fixed_time, select_batch
-from .assistants import SpecFitGenerator
+from ..drafting.drafter import Eagle3Drafter
+from .assistants import Backoff, Eagle3Generator, SpecFitGenerator
+from .batch_drafting import draft_rows
 
 
 EXTRA_RATE = 0.3  # weight of the newest cycle in the learned unexplained seconds
@@ -21,10 +23,18 @@ class RowTrees:
     def __init__(self, model, assistant, rows: int):
         self.runtime = model.specfit
         self.gens = [assistant(model) for _ in range(rows)]
+        # the rows draft together when the drafter's forward takes stacked rows (a custom drafter module keeps the
+        # batch-1 protocol: each row drafts alone)
+        # (and a generator that drafts by its three steps, not its own ``draft``)
+        self.batched = isinstance(self.runtime.drafter, Eagle3Drafter) and all(
+            isinstance(g, Eagle3Generator) and type(g).draft is Eagle3Generator.draft for g in self.gens)
         self.batch_rule = all(isinstance(g, SpecFitGenerator) for g in self.gens)
         for gen in self.gens:
             if isinstance(gen, SpecFitGenerator):
                 gen.guard = None  # the guard learns one row's clock; a batch cycle's clock is every row's
+                # each row its own backoff, for this call: rows sharing the runtime's would each call skip() once
+                # per cycle (shortening its skips R-fold, rows disagreeing) and leave it wrong for batch-1 calls
+                gen.backoff = Backoff()
                 # a row's own winner is not what the batch verifies (the batch rule re-chooses): rows prefetching
                 # their own winners would fight over the same slots
                 gen.prefetch = False
@@ -34,14 +44,30 @@ class RowTrees:
         # Python), learned from the clock of the cycles the batch rule priced and charged as fixed time
         self.extra, self._priced = 0.0, None
 
+    def start(self, b: int, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Row b's prompt pairs: drafted together, they wait for the next cycle's one catch-up forward for every
+        row; else the row's generator reads them."""
+        if self.batched:
+            self.gens[b].drafter.reset()
+            self.gens[b]._pending = [(features, next_tokens)]
+        else:
+            self.gens[b].start(features, next_tokens)
+
+    def observe(self, b: int, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        if self.batched:
+            self.gens[b]._pending.append((features, next_tokens))
+        else:
+            self.gens[b].observe(features, next_tokens)
+
     def draft_and_select(self, active: list[int], cycles) -> list[tuple[DraftTree, tuple[int, ...]]]:
         """Every active row's pool and the subtree of it to verify: each row's generator decides alone (EAGLE-3),
         or, with SpecFit's, the batch rule re-chooses every row's subtree against the batch's union."""
-        chosen = []
-        for b, cycle in zip(active, cycles):
-            gen = self.gens[b]
-            tree = gen.draft(cycle)
-            chosen.append((tree, tuple(sorted(gen.select(tree, cycle)))))
+        gens = [self.gens[b] for b in active]
+        if self.batched:  # one drafter forward per step for every row
+            trees = draft_rows(gens, cycles)
+        else:
+            trees = [gen.draft(cycle) for gen, cycle in zip(gens, cycles)]
+        chosen = [(tree, tuple(sorted(gen.select(tree, cycle)))) for gen, tree, cycle in zip(gens, trees, cycles)]
         self.pool = sum(len(tree) for tree, _ in chosen)
         self.expected = sum(self.gens[b].expected_tokens for b in active)
         self.predicted = None
@@ -84,7 +110,8 @@ class RowTrees:
         cost = gens[0].cost
         drafting = cost.drafting_seconds(levels) if cost.draft_levels and levels else 0.0
         base = cost.at_levels(levels).intercepts if cost.draft_levels and levels else cost.intercepts
-        intercepts = [a + (len(active) - 1) * drafting + self.extra for a in base]  # every row drafted its levels
+        intercepts = [a + (0 if self.batched else (len(active) - 1) * drafting) + self.extra
+                      for a in base]  # drafted together: one drafter forward per level for every row
         resident = self.runtime.resident_mask() if cost.miss else None
         self.last = pick = select_batch(pools, intercepts, cost.beta, cost.miss, resident)
         self.runtime.expect_tree(values_all, np.concatenate(routes_all))  # the forecast: every row's pool

@@ -72,11 +72,7 @@ class TreeDrafter:
     @torch.no_grad()
     def levels(self) -> Iterator[DraftTree]:
         """Yield the pool after each drafted level. Stop iterating to stop drafting."""
-        if self.root_logits is None:
-            raise RuntimeError("TreeDrafter.extend() must run before drafting")
-        self.cache.crop(self.stable)
-        self.tree, self._drafted_by, self._out, self._slot = DraftTree(), {}, {}, {}
-        self._children, self._routes, self._root_routes, self._routed = {}, None, None, 0
+        self.begin_cycle()
         tree = self.tree
         # level 1: the root's children, processed from the device's top-k before their tokens reach the host
         q, ids = self._topk(self.root_logits[None])  # [1, k], [1, k]
@@ -103,6 +99,24 @@ class TreeDrafter:
                 process = []
             self._process(process)
             yield tree
+
+    def begin_cycle(self) -> None:
+        """A fresh pool for this cycle over the committed cache (``levels``, and a batch's ``batch_drafting``)."""
+        if self.root_logits is None:
+            raise RuntimeError("TreeDrafter.extend() must run before drafting")
+        self.cache.crop(self.stable)
+        self.tree, self._drafted_by, self._out, self._slot = DraftTree(), {}, {}, {}
+        self._children, self._routes, self._root_routes, self._routed = {}, None, None, 0
+
+    def keep_routes(self, nodes: list[int], routes: np.ndarray, root: np.ndarray | None = None) -> None:
+        """Record host bool routes [n, L, E] of pool ``nodes`` (and the root's [L, E], at level 1)."""
+        if root is not None:
+            self._root_routes = root
+        if len(nodes):
+            if self._routes is None:  # this cycle's rows (a fresh array: last cycle's views stay valid)
+                self._routes = np.zeros((self.max_pool, *routes.shape[1:]), dtype=bool)
+            self._routes[nodes] = routes
+            self._routed += len(nodes)
 
     def routes(self) -> tuple[np.ndarray, np.ndarray]:
         """Host bool routes of the pool nodes [N, L, E] and of the root [L, E], from the route head (every node of
@@ -143,13 +157,7 @@ class TreeDrafter:
                 self._children[v] = (qs, ts)
         if self.route_head is not None and head_in:
             routes = rest[-1]  # [(1 +) n, L, E] host
-            if root:
-                self._root_routes, routes = routes[0], routes[1:]
-            if len(nodes):
-                if self._routes is None:  # this cycle's rows (a fresh array: last cycle's views stay valid)
-                    self._routes = np.zeros((self.max_pool, *routes.shape[1:]), dtype=bool)
-                self._routes[nodes] = routes
-                self._routed += len(nodes)
+            self.keep_routes(nodes, routes[1:] if root else routes, routes[0] if root else None)
         return list(root_part)
 
     def _forward(self, todo: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
