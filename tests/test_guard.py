@@ -99,8 +99,8 @@ def test_the_guard_learns_each_cycle_under_the_way_it_ran(monkeypatch):
     """In SpecFit's loop: the guard's per-way counts equal the stats' (EAGLE-3's way counted, plain cycles drafted
     nothing); with EAGLE-3's way and plain decoding made clearly slower, most cycles after the start run SpecFit's
     way."""
-    slowed(monkeypatch, "_draft_as_eagle", 0.03)
-    slowed(monkeypatch, "_predict_root_only", 0.03)  # runs once in every plain cycle
+    slowed(monkeypatch, "_draft_as_eagle", 0.1)  # a cycle here ~0.1 s: twice as slow
+    slowed(monkeypatch, "_predict_root_only", 0.1)  # runs once in every plain cycle
     model = tiny_moe()
     specfit.enable(model, cache_slots=5, drafter=SelfDrafter(model, first_token=int(PROMPT[0, 0]), noise=0.3),
                    cost_model=COST)

@@ -25,5 +25,5 @@ def test_one_prompt_has_no_spread_and_bad_input_is_refused():
 
 def test_a_loss_that_rounds_to_nothing_reads_plus_zero_not_minus_zero():
     line = verdict({"eagle3": [100.0, 100.0], "specfit": [99.6, 99.6]})  # -0.4%
-    assert line.startswith("SpecFit +0% over EAGLE-3 (spread +-0%, 2 prompts)"), line
+    assert line.startswith("SpecFit +0% over EAGLE-3 (spread under 1%, 2 prompts)"), line
     assert verdict({"eagle3": [100.0], "specfit": [94.0]}).startswith("SpecFit -6% over EAGLE-3")
