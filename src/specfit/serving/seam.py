@@ -25,12 +25,21 @@ from collections import OrderedDict
 
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
-from transformers.cli.serving.chat_completion import (ChatCompletionHandler,
-                                                       TransformersCompletionCreateParamsStreaming)
-from transformers.cli.serving.completion import CompletionHandler, TransformersTextCompletionCreateParams
-from transformers.cli.serving.model_manager import ModelManager
-from transformers.cli.serving.utils import (DirectStreamer, GenerateManager, GenerationState, _GenerationCancelled,
-                                            _StreamError, set_torch_seed)
+
+TESTED_TRANSFORMERS = "5.24"  # the minor release whose serving stack this seam was written and tested against
+
+try:
+    from transformers.cli.serving.chat_completion import (ChatCompletionHandler,
+                                                           TransformersCompletionCreateParamsStreaming)
+    from transformers.cli.serving.completion import CompletionHandler, TransformersTextCompletionCreateParams
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import (DirectStreamer, GenerateManager, GenerationState,
+                                                _GenerationCancelled, _StreamError, set_torch_seed)
+except ImportError as error:  # another release moved its internals: say which one works, not a bare ImportError
+    import transformers
+    raise ImportError(f"specfit serve runs on transformers' serving stack as of {TESTED_TRANSFORMERS}.x; the "
+                      f"installed transformers {transformers.__version__} does not have it ({error}). Install the "
+                      f"tested release: pip install 'transformers=={TESTED_TRANSFORMERS}.*'") from error
 
 # The embedded model has no chat template of its own: this plain template renders messages in the prompt format it
 # was trained on ("Question: ...\nAnswer:"), a system message as a plain first line. Stated as such in docs/serve.md.
