@@ -3,10 +3,12 @@
 1. Server overhead: per prompt, generate(assistant="specfit") called directly and the same greedy request through
    the server with the openai client, interleaved prompt by prompt; tok/s = completion tokens / wall clock of the
    call (the client's wall clock for the server). Goal: client tok/s >= 0.9x generate()'s.
-2. 8 concurrent clients x 3 requests each: p50 / p95 latency, every answer checked against plain greedy generate(),
-   none lost or crossed.
+2. 8 concurrent clients x 3 requests each, once per --max-batch value (a server each, same model; the values take
+   turns --load-rounds times): p50 / p95 latency, aggregate tok/s, the batch sizes the calls ran at, every answer
+   checked against plain greedy generate(), none lost or crossed.
 
-    python benchmarks/serve_load.py [--slots 12] [--max-tokens 32] [--rounds 2] [--out results.json]
+    python benchmarks/serve_load.py [--slots 12] [--max-tokens 32] [--rounds 2] [--max-batch 1 4] [--load-rounds 1]
+                                    [--out results.json]
 """
 
 import argparse
@@ -43,6 +45,9 @@ def main():
     p.add_argument("--slots", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the prompts for the overhead")
+    p.add_argument("--max-batch", type=int, nargs="+", default=[1, 4],
+                   help="server batch limits compared under load (1: each request alone)")
+    p.add_argument("--load-rounds", type=int, default=1, help="turns each --max-batch value takes under load")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -77,35 +82,47 @@ def main():
             mismatches += reply.choices[0].message.content != expected[q]
     direct, served = direct_tokens / direct_seconds, served_tokens / served_seconds
 
-    # 2. 8 clients x 3 requests
-    def client_run(q):
-        c = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=600)
+    server.stop()
+
+    # 2. 8 clients x 3 requests, per --max-batch value, the values taking turns
+    def client_run(url, q):
+        c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
         got = []
         for _ in range(3):
             t = time.perf_counter()
             reply = c.chat.completions.create(model="specfit", messages=messages[q], max_tokens=args.max_tokens,
                                               temperature=0)
             got.append((q, reply.choices[0].message.content, reply.id, time.perf_counter() - t,
-                        reply.usage.completion_tokens))
+                        reply.usage.completion_tokens, reply.model_extra["specfit"]["batch"]))
         return got
 
-    t = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = [r for rs in pool.map(client_run, QUESTIONS) for r in rs]
-    load_seconds = time.perf_counter() - t
-    server.stop()
-    latencies = [r[3] for r in results]
+    loads = {n: [] for n in args.max_batch}
+    for _ in range(args.load_rounds):
+        for n in args.max_batch:
+            server = Server(build_app(model, tokenizer, max_batch=n), host="127.0.0.1", port=0).start()
+            t = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                results = [r for rs in pool.map(lambda q: client_run(server.url, q), QUESTIONS) for r in rs]
+            loads[n].append((results, time.perf_counter() - t))
+            server.stop()
     report = {
-        "machine": "2-core CPU shared with parallel work (loaded); embedded model, emulated host link (default)",
+        "machine": "2-core CPU; embedded model, emulated host link (default); server and clients in one process",
         "slots": args.slots, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "generate_tok_s": round(direct, 2), "client_tok_s": round(served, 2), "ratio": round(served / direct, 3),
-        "overhead_mismatches": mismatches,
-        "load_responses": len(results), "load_distinct_ids": len({r[2] for r in results}),
-        "load_wrong": sum(r[1] != expected[r[0]] for r in results),
-        "latency_p50_s": round(statistics.median(latencies), 2), "latency_p95_s": round(percentile(latencies, .95), 2),
-        "load_wall_s": round(load_seconds, 2),
-        "load_aggregate_tok_s": round(sum(r[4] for r in results) / load_seconds, 2),
+        "overhead_mismatches": mismatches, "load": {},
     }
+    for n, runs in loads.items():
+        results = [r for rs, _ in runs for r in rs]
+        seconds = sum(s for _, s in runs)
+        latencies = [r[3] for r in results]
+        report["load"][f"max_batch={n}"] = {
+            "responses": len(results), "distinct_ids": len({r[2] for r in results}),
+            "wrong": sum(r[1] != expected[r[0]] for r in results),
+            "latency_p50_s": round(statistics.median(latencies), 2),
+            "latency_p95_s": round(percentile(latencies, .95), 2), "wall_s": round(seconds, 2),
+            "aggregate_tok_s": round(sum(r[4] for r in results) / seconds, 2),
+            "requests_by_batch_size": {str(b): sum(r[5] == b for r in results) for b in sorted({r[5] for r in results})},
+        }
     print(json.dumps(report, indent=1))
     if args.out:
         with open(args.out, "w") as f:

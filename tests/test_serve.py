@@ -142,6 +142,45 @@ def test_eight_clients_three_requests_each(served):
         assert text == expected[key], key  # none crossed
 
 
+def test_requests_that_wait_together_run_as_one_batch_and_each_gets_its_own_row(served):
+    """Five non-streaming clients at once, 20 tokens each: the server (max_batch 4) runs the ones that wait together
+    as one left-padded call; each answer equals plain greedy generate() on its own prompt, usage counts its own row
+    (through its end-of-sequence token), and the counters say how many rows shared the call."""
+    model, tokenizer, server, _ = served
+    questions = QUESTIONS[:5]
+    expected = {q: reference(model, tokenizer, chat_prompt(tokenizer, q), 20) for q in questions}
+
+    def ask(question):
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+        return question, client.chat.completions.create(model="specfit", max_tokens=20, temperature=0,
+                                                        messages=[{"role": "user", "content": question}])
+
+    with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
+        replies = list(pool.map(ask, questions))
+    batches = []
+    for question, reply in replies:
+        assert reply.choices[0].message.content == tokenizer.decode(expected[question],
+                                                                    skip_special_tokens=True).strip(), question
+        assert reply.usage.completion_tokens == len(expected[question])
+        stats = reply.model_extra["specfit"]
+        assert stats["tokens"] == len(expected[question]) and stats["method"] == "specfit"
+        batches.append(stats["batch"])
+    assert max(batches) > 1, batches  # at least two requests shared a call
+    assert max(batches) <= 4  # never more rows than max_batch
+    for size in set(batches):  # a call of k rows answered k of these requests
+        assert batches.count(size) % size == 0, batches
+
+
+def test_streaming_and_seeded_requests_run_alone(served):
+    _, _, server, client = served
+    seeded = client.chat.completions.create(model="specfit", messages=[{"role": "user", "content": QUESTIONS[6]}],
+                                            max_tokens=3, temperature=0.8, seed=3)
+    assert seeded.model_extra["specfit"]["batch"] == 1
+    chunks = list(client.chat.completions.create(model="specfit", max_tokens=3, temperature=0, stream=True,
+                                                 messages=[{"role": "user", "content": QUESTIONS[7]}]))
+    assert httpx.get(f"{server.url}/specfit/stats/{chunks[0].id}").json()["batch"] == 1
+
+
 BAD = [  # (body or raw bytes, status, words of the message)
     (b'{"model": "specfit", "messages": [', 422, "json"),
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 400, "gpt-4"),
@@ -208,6 +247,9 @@ def test_command_refuses_bad_options_early():
 
     assert main(["serve", "--slots", "0"]) == 2
     assert main(["serve", "--max-queue", "0"]) == 2
+    assert main(["serve", "--max-batch", "0"]) == 2
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
+        build_app(None, None, max_batch=0)
     assert main(["serve", "--port", "70000"]) == 2
 
 

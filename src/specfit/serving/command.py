@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from .. import cli_checks
+from .server import DEFAULT_MAX_BATCH
 
 ASSISTANT_CHOICES = ("specfit", "eagle3", "none")
 
@@ -31,6 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--name", default="specfit", help="the model name clients send and /v1/models lists")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests running or waiting at once; more are answered 429")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="non-streaming requests with equal settings that wait together run as one batch of up to "
+                        "N rows (1: each request alone)")
     p.add_argument("--host", default="localhost", help="server listen address")
     p.add_argument("--port", type=int, default=8000, help="server listen port")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the embedded model)")
@@ -48,7 +52,7 @@ def check_arguments(args) -> None:
     if missing:
         raise ValueError(f"specfit serve needs {', '.join(missing)} (transformers' serving stack): "
                          f"pip install 'specfit[serve]'")
-    cli_checks.at_least(args, 1, "slots", "max_queue", "threads", "depth", "max_nodes", "topk")
+    cli_checks.at_least(args, 1, "slots", "max_queue", "max_batch", "threads", "depth", "max_nodes", "topk")
     cli_checks.milliseconds(args, "link_ms")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
@@ -116,8 +120,9 @@ def main(args) -> int:
     assistant = None if args.assistant == "none" else args.assistant
     shown = "localhost" if args.host in ("localhost", "127.0.0.1") else args.host
     print(f"specfit serve: {args.name!r} on http://{shown}:{args.port}/v1 (OpenAI-compatible; requests decoded "
-          f"with assistant={assistant!r} unless they ask otherwise; Ctrl-C stops)", flush=True)
+          f"with assistant={assistant!r} unless they ask otherwise; non-streaming requests that wait together "
+          f"share calls of up to {args.max_batch}; Ctrl-C stops)", flush=True)
     serve(model, tokenizer, host=args.host, port=args.port, name=args.name, max_queue=args.max_queue,
-          assistant=assistant, log_level=args.log_level)
+          assistant=assistant, log_level=args.log_level, max_batch=args.max_batch)
     print("specfit serve: stopped", flush=True)
     return 0

@@ -7,9 +7,9 @@ specialised, each for a stated reason; everything else (routes, schema, chunking
 - ``SpecFitGenerateManager``: their ``GenerateManager`` runs ``model.generate`` on one inference thread (FIFO, so
   requests are served in arrival order, one at a time, under the model's own lock). Ours adds, per request:
   ``assistant="specfit"`` unless the request asks otherwise, the request's seed set on that thread just before its
-  call, the context check, a queue limit (429 when full) and the call's SpecFit counters. Batched assistant
-  decoding plugs in here: a manager that gathers queued requests into one batched call (as their
-  ``CBGenerateManager`` does for continuous batching) replaces this one in ``SpecFitGeneration.get_manager``.
+  call, the context check, a queue limit (429 when full) and the call's SpecFit counters; and batching
+  (``batching.py``): non-streaming requests that wait with equal settings leave in one left-padded call of up to
+  ``max_batch`` rows (their ``CBGenerateManager`` runs a paged-attention loop of its own, which has no assistant).
 - ``SpecFitChat`` / ``SpecFitCompletion``: their handlers, plus the fields ``assistant`` and early 400s for values
   their schema types accept but decoding cannot (negative ``max_tokens``, an unknown assistant), and the request's
   SpecFit counters as the extra field ``specfit`` of a non-streaming response.
@@ -40,6 +40,19 @@ except ImportError as error:  # another release moved its internals: say which o
     raise ImportError(f"specfit serve runs on transformers' serving stack as of {TESTED_TRANSFORMERS}.x; the "
                       f"installed transformers {transformers.__version__} does not have it ({error}). Install the "
                       f"tested release: pip install 'transformers=={TESTED_TRANSFORMERS}.*'") from error
+
+from .batching import Lines, Waiting, batch_key, eos_set, left_padded, row_tokens  # noqa: E402
+
+
+def _settle(future: asyncio.Future, row, error) -> None:
+    """On the event loop: a batched request's row (or the batch's error), unless its client already went away."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(row)
+
 
 # The embedded model has no chat template of its own: this plain template renders messages in the prompt format it
 # was trained on ("Question: ...\nAnswer:"), a system message as a plain first line. Stated as such in docs/serve.md.
@@ -104,11 +117,13 @@ class TokenStreamer(DirectStreamer):
 
 
 class SpecFitGenerateManager(GenerateManager):
-    """Their sequential manager, with SpecFit's per-request settings, a queue limit and per-request counters."""
+    """Their sequential manager, with SpecFit's per-request settings, a queue limit, per-request counters and
+    batches of waiting non-streaming requests (``max_batch`` rows per call; 1: each request alone)."""
 
-    def __init__(self, model, max_queue: int, default_assistant: str | None):
+    def __init__(self, model, max_queue: int, default_assistant: str | None, max_batch: int = 1):
         super().__init__()
         self.max_queue, self.default_assistant = max_queue, default_assistant
+        self.lines = Lines(max_batch)  # non-streaming requests waiting to share a call (batching.py)
         self.context = getattr(model.config, "max_position_embeddings", None)
         self.pending = 0  # admitted requests not finished (running + waiting), changed on the event loop only
         self.requests: dict[int, dict] = {}  # id(gen_config) -> the request's settings, from the handler
@@ -149,27 +164,65 @@ class SpecFitGenerateManager(GenerateManager):
 
     # ----- on the inference thread -----
 
-    def _call(self, model, kwargs: dict, admitted: dict):
+    def _call(self, model, kwargs: dict, admitted: dict, batch: list[dict] | None = None):
         if admitted["seed"] is not None:
             set_torch_seed(admitted["seed"])
         try:
             return model.generate(**kwargs)
         finally:
-            self._record(model, admitted)
+            self._record(model, batch or [admitted])
 
-    def _record(self, model, admitted: dict) -> None:
+    def _record(self, model, admitted: list[dict]) -> None:
+        """Each request's counters: the call's figures (a batch's are the whole call's: every row's tokens over its
+        wall clock), with ``batch`` its rows and ``tokens`` the request's own (filled in by the batch's runner)."""
         runtime = getattr(model, "specfit", None)
         if runtime is None:
             return
         c = runtime.stats.last_generate  # this call's: calls run one at a time on this thread
-        figures = {"assistant": admitted["assistant"], "method": runtime.stats.last_method, "tokens": c.new_tokens,
+        figures = {"assistant": admitted[0]["assistant"], "method": runtime.stats.last_method,
+                   "tokens": c.new_tokens, "batch": len(admitted), "call_tokens": c.new_tokens,
                    "tokens_per_second": c.end_to_end_tokens_per_second, "tokens_per_cycle": c.tokens_per_cycle,
                    "copies_per_token": c.copies_per_token, "cycles": c.cycles}
         figures = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in figures.items()}
         with self._stats_lock:
-            self.stats[admitted["request_id"]] = figures
+            for request in admitted:
+                self.stats[request["request_id"]] = dict(figures)
             while len(self.stats) > STATS_KEPT:
                 self.stats.popitem(last=False)
+
+    def _run_batch(self, model, processor, key: str) -> None:
+        """On the inference thread: up to ``max_batch`` waiting requests of one line in one left-padded call; each
+        request's future gets its own row (its new tokens through its first end-of-sequence token)."""
+        import torch
+
+        taken = self.lines.take(key)
+        if not taken:  # an earlier drain took them
+            return
+        config = taken[0].gen_config  # the line's settings: equal for every request in it
+        try:
+            if len(taken) == 1:
+                inputs = taken[0].inputs
+            else:
+                tokenizer = getattr(processor, "tokenizer", processor)
+                pad = next(p for p in (config.pad_token_id, tokenizer.pad_token_id, *sorted(eos_set(config)))
+                           if p is not None)
+                inputs = left_padded([w.inputs for w in taken], pad)
+            admitted = [w.admitted for w in taken]
+            sequences = self._call(model, {**inputs, "generation_config": config, "tokenizer": processor},
+                                   admitted[0], batch=admitted)
+            width = inputs["input_ids"].shape[-1]
+            rows = [sequences[0, width:]] if len(taken) == 1 else [
+                torch.tensor(row_tokens(sequences[b, width:], eos_set(config)), dtype=sequences.dtype)
+                for b in range(len(taken))]
+            with self._stats_lock:
+                for w, row in zip(taken, rows):
+                    if w.admitted["request_id"] in self.stats:
+                        self.stats[w.admitted["request_id"]]["tokens"] = int(row.numel())
+            for w, row in zip(taken, rows):
+                w.loop.call_soon_threadsafe(_settle, w.future, row, None)
+        except Exception as err:  # every request of the batch hears why; the thread goes on serving
+            for w in taken:
+                w.loop.call_soon_threadsafe(_settle, w.future, None, err)
 
     # ----- their interface -----
 
@@ -196,14 +249,28 @@ class SpecFitGenerateManager(GenerateManager):
 
     async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
         admitted = self._admit(model, inputs, gen_config, request_id)
-        kwargs = {**inputs, "generation_config": gen_config, "tokenizer": processor}
+        key = batch_key(gen_config, admitted) if self.lines.max_batch > 1 else None
         try:
-            sequences = await self.async_submit(self._call, model, kwargs, admitted)
+            if key is None:
+                kwargs = {**inputs, "generation_config": gen_config, "tokenizer": processor}
+                sequences = await self.async_submit(self._call, model, kwargs, admitted)
+                generated = sequences[0, inputs["input_ids"].shape[-1]:]
+            else:
+                generated = await self._in_batch(model, processor, inputs, gen_config, admitted, key)
         finally:
             self.pending -= 1
-        prompt = inputs["input_ids"].shape[-1]
-        generated = sequences[0, prompt:]
-        return processor.decode(generated, skip_special_tokens=True), prompt, generated
+        return processor.decode(generated, skip_special_tokens=True), inputs["input_ids"].shape[-1], generated
+
+    async def _in_batch(self, model, processor, inputs, gen_config, admitted, key):
+        loop = asyncio.get_running_loop()
+        waiting = Waiting(inputs, gen_config, admitted, loop, loop.create_future())
+        self.lines.add(key, waiting)
+        self.submit(self._run_batch, model, processor, key)  # a drain: it may find this request already taken
+        try:
+            return await waiting.future
+        except asyncio.CancelledError:  # the client went away before its batch ran: it is not run
+            self.lines.drop(key, waiting)
+            raise
 
 
 class SpecFitGeneration(GenerationState):

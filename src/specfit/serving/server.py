@@ -9,13 +9,16 @@ import time
 
 DEFAULT_NAME = "specfit"
 DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_BATCH = 4  # rows per generate() call for requests that wait together (docs/serve.md)
 
 
 def build_app(model, tokenizer, *, name: str = DEFAULT_NAME, max_queue: int = DEFAULT_MAX_QUEUE,
-              assistant: str | None = "specfit"):
+              assistant: str | None = "specfit", max_batch: int = DEFAULT_MAX_BATCH):
     """The OpenAI-compatible app serving ``model`` (enabled by SpecFit) as ``name``: /v1/chat/completions,
     /v1/completions, /v1/models, /health, and GET /v1/specfit/stats/{id} (the SpecFit counters of a request, by its
-    response id). Every request is decoded with ``assistant`` unless it sets the field ``assistant`` itself."""
+    response id). Every request is decoded with ``assistant`` unless it sets the field ``assistant`` itself.
+    Non-streaming, unseeded requests with equal settings that wait for the model together run as one batch of up to
+    ``max_batch`` rows (1: every request alone)."""
     from fastapi import HTTPException
     from transformers.cli.serving.response import ResponseHandler
     from transformers.cli.serving.server import build_server
@@ -25,12 +28,16 @@ def build_app(model, tokenizer, *, name: str = DEFAULT_NAME, max_queue: int = DE
 
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1 (requests running or waiting at once), got {max_queue}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be an integer >= 1 (rows per generate() call; 1: no batching), got "
+                         f"{max_batch!r}")
     if tokenizer is None:
         raise ValueError("serve needs the model's tokenizer (the checkpoint has none): pass tokenizer=")
     if getattr(tokenizer, "chat_template", None) is None:  # the embedded model has none: a plain one (seam.py)
         tokenizer.chat_template, tokenizer.response_template = PLAIN_TEMPLATE, PLAIN_RESPONSE
     models = PinnedModels(name, model, tokenizer)
-    manager = SpecFitGenerateManager(model, max_queue=max_queue, default_assistant=assistant)
+    manager = SpecFitGenerateManager(model, max_queue=max_queue, default_assistant=assistant,
+                                     max_batch=max_batch)
     state = SpecFitGeneration(manager)
     app = build_server(models, SpecFitChat(models, state), SpecFitCompletion(models, state),
                        ResponseHandler(models, state), transcription_handler=None, systemone_handler=None,
@@ -82,15 +89,16 @@ class Server:
 
 def serve(model, tokenizer, *, host: str = "localhost", port: int = 8000, name: str = DEFAULT_NAME,
           max_queue: int = DEFAULT_MAX_QUEUE, assistant: str | None = "specfit", log_level: str = "warning",
-          background: bool = False):
+          background: bool = False, max_batch: int = DEFAULT_MAX_BATCH):
     """Serve ``model`` (enabled by SpecFit) with an OpenAI-compatible API on ``host:port``. In the foreground until
     Ctrl-C (returns then, without a traceback); ``background=True``: on a thread, returns the running ``Server``
-    (``.url``, ``.stop()``). Every request is decoded with ``assistant`` unless it names another."""
+    (``.url``, ``.stop()``). Every request is decoded with ``assistant`` unless it names another; requests that
+    wait together share calls of up to ``max_batch`` rows (``build_app``)."""
     import uvicorn
     from transformers.utils import logging
 
     logging.get_logger("transformers").setLevel(logging.log_levels[log_level])  # as `transformers serve` does
-    app = build_app(model, tokenizer, name=name, max_queue=max_queue, assistant=assistant)
+    app = build_app(model, tokenizer, name=name, max_queue=max_queue, assistant=assistant, max_batch=max_batch)
     if background:
         return Server(app, host=host, port=port, log_level=log_level).start()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
