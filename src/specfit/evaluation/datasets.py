@@ -103,17 +103,34 @@ def openstax(limit: int | None = None) -> list[dict]:
     return _read_jsonl(root / "openstax" / "train.jsonl", limit)
 
 
+def held_out(name: str, file: str, limit: int | None) -> list[dict]:
+    """Rows of a dataset no SpecFit model was trained on (MT-Bench, HumanEval): from the local data folder only."""
+    root = data_dir()
+    if root is None:
+        raise DataUnavailable(f"{name} is only read from the local data folder ({name}/{file}); set "
+                              f"SPECFIT_DATA_DIR to a folder that holds it")
+    return _read_jsonl(root / name / file, limit)
+
+
+WORKLOADS = ("gsm8k", "cnn", "mtbench", "humaneval")
+# the embedded drafter never saw these kinds of prompt: open questions of every kind (MT-Bench's first turns, in the
+# question format) and Python function stubs (HumanEval's prompts, as they are)
+UNSEEN = ("mtbench", "humaneval")
+
+
 def prompts(workload: str, limit: int, max_chars: int | None = None) -> list[str]:
-    """Prompt strings for a workload: ``"gsm8k"`` (test questions) or ``"cnn"`` (test articles)."""
+    """Prompt strings for a workload: ``"gsm8k"`` (test questions), ``"cnn"`` (test articles), ``"mtbench"``
+    (MT-Bench first turns as questions) or ``"humaneval"`` (HumanEval function stubs)."""
+    cut = (lambda text: text) if max_chars is None else (lambda text: text[:max_chars])
     if workload == "gsm8k":
         return [GSM8K_PROMPT.format(question=r["question"]) for r in gsm8k("test", limit)]
     if workload == "cnn":
-        out = []
-        for r in cnn_dailymail(limit):
-            article = r["article"] if max_chars is None else r["article"][:max_chars]
-            out.append(CNN_PROMPT.format(article=article))
-        return out
-    raise ValueError(f"unknown workload {workload!r}; choose 'gsm8k' or 'cnn'")
+        return [CNN_PROMPT.format(article=cut(r["article"])) for r in cnn_dailymail(limit)]
+    if workload == "mtbench":
+        return [GSM8K_PROMPT.format(question=cut(r["turns"][0])) for r in held_out("mt_bench", "question.jsonl", limit)]
+    if workload == "humaneval":
+        return [cut(r["prompt"]) for r in held_out("humaneval", "HumanEval.jsonl", limit)]
+    raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
 
 
 def calibration_texts(num_prompts: int) -> list[str]:
