@@ -33,7 +33,7 @@ STARTUP = 8 + 3 + 3  # the default warm-up and the other arms' trials
 @pytest.mark.parametrize("fast", ["specfit", "eagle3", "plain"])
 def test_the_guard_runs_the_fastest_way_and_explores_within_its_budget(fast):
     """Each of the three ways fastest in turn, the others 30% slower: after the warm-up and trials, the slower ways
-    run at most the budget (2% of cycles), and they are still tried again (their evidence ages)."""
+    take at most the budget (2% of the wall clock), and they are still tried again (their evidence ages)."""
     rates = {arm: 10.0 for arm in ("specfit", "eagle3", "plain")}
     rates[fast] = 13.0
     guard = Guard()
@@ -41,6 +41,7 @@ def test_the_guard_runs_the_fastest_way_and_explores_within_its_budget(fast):
     after = run(guard, rates, 2000, seed=1)
     slower = sum(n for arm, n in after.items() if arm != fast)
     assert slower <= 0.02 * (2000 + STARTUP) and guard.explored <= 0.02 * (2000 + STARTUP)
+    assert 0 < guard.explored_seconds <= 0.02 * guard.seconds
     assert slower >= 3  # it keeps checking the other ways
     assert guard.cycles == {arm: chosen[arm] + after[arm] for arm in rates}
 
@@ -61,6 +62,21 @@ def test_a_clearly_slower_way_is_tried_again_once_its_evidence_has_aged():
     # a way at half the rate is not retried while its three cycles weigh; it is once they have aged
     assert 50 <= first < 400
     assert sum(arm != "specfit" for arm in picks) <= 0.02 * 609
+
+
+def test_the_budget_is_time_so_a_way_with_longer_cycles_explores_less_often():
+    """Plain cycles fastest (1 token in 0.1 s); SpecFit's way a little slower per token but its cycles take 4x as
+    long (3 tokens in 0.4 s): its exploration takes at most 2% of the wall clock, so it runs in well under 2% of
+    the cycles (a budget in cycles would give it 2% of the cycles, ~7% of the time)."""
+    guard = Guard(warmup=8, trials=3)
+    shape = {"specfit": (3.0, 0.4), "eagle3": (3.0, 0.6), "plain": (1.0, 0.1)}
+    for _ in range(3000):
+        arm = guard.choose()
+        tokens, seconds = shape[arm]
+        guard.record(arm, tokens, seconds)
+    assert guard.best() == "plain"
+    assert 0 < guard.explored_seconds <= 0.02 * guard.seconds
+    assert guard.cycles["specfit"] - 8 <= 0.02 * 3000 / 4 + 2  # its cycles are 4x as long
 
 
 def test_the_guard_follows_a_change():

@@ -13,10 +13,12 @@ learned under the way it *ran* (the caller's ``record(arm, ...)``): its per-arm 
 stats' per-way counts, and crediting one way with another's cycles would leave an arm without evidence, which the
 guard would then run on every cycle.
 
-Exploration is budgeted. After the warm-up (``warmup`` cycles of SpecFit's way, so its acceptance model and cost
-refresh settle) and ``trials`` cycles of each other arm, a cycle runs an arm other than the best only when that
-arm's *optimistic* rate (its rate plus ``z`` standard errors) passes the best's rate, and only while such cycles stay
-within ``budget`` of all cycles recorded (``explored <= budget x cycles``; 2% by default). The standard error is
+Exploration is budgeted in time, the user's currency. After the warm-up (``warmup`` cycles of SpecFit's way, so its
+acceptance model and cost refresh settle) and ``trials`` cycles of each other arm, a cycle runs an arm other than the
+best only when that arm's *optimistic* rate (its rate plus ``z`` standard errors) passes the best's rate, and only
+while the wall clock of such cycles, this one included at the arm's mean cycle time, stays within ``budget`` of all
+the recorded cycles' (``explored_seconds <= budget x seconds``; 2% by default). A budget in cycles would let a way
+whose cycles take longer (a drafted cycle beside plain ones) take more than its share of the time. The standard error is
 the ratio estimator's from the arm's own cycles, never below ``spread x rate / sqrt(weight)``: a way a few percent
 slower is retried as soon as the budget allows, a clearly slower one only once its evidence has aged (its weight
 decays with every cycle of the others), so a change of workload or load is still noticed.
@@ -35,7 +37,7 @@ Pure Python, no torch: a few running sums per arm, a few float operations per cy
 >>> g.record("plain", tokens=1, seconds=0.08)
 >>> for _ in range(100):
 ...     g.record(g.choose(), tokens=2, seconds=0.1)
->>> g.choose(), g.explored <= g.budget * sum(g.cycles.values())
+>>> g.choose(), g.explored_seconds <= g.budget * g.seconds
 ('specfit', True)
 """
 
@@ -51,7 +53,7 @@ SPREAD = 0.3  # the least relative standard error of one cycle's tokens per seco
 Z = 1.0  # standard errors of optimism
 WARMUP = 8  # cycles of the first arm (SpecFit's way) before another is tried
 TRIALS = 3  # cycles every other arm runs before its rate is compared
-BUDGET = 0.02  # the most cycles, as a share of all, that run an arm the clock says is slower than the best
+BUDGET = 0.02  # the most wall clock, as a share of all cycles', spent on an arm the clock says is slower than the best
 
 
 class Guard:
@@ -64,13 +66,15 @@ class Guard:
         if not (spread >= 0.0 and z >= 0.0):
             raise ValueError(f"spread and z must be >= 0, got {spread!r}, {z!r}")
         if not 0.0 <= budget <= 1.0:
-            raise ValueError(f"budget is a share of cycles in [0, 1], got {budget!r}")
+            raise ValueError(f"budget is a share of the cycles' time in [0, 1], got {budget!r}")
         self.decay, self.spread, self.z, self.arms = float(decay), float(spread), float(z), tuple(arms)
         self.warmup, self.trials, self.budget = int(warmup), max(int(trials), 1), float(budget)
         # per arm, decayed sums over its cycles: weight (cycles), t, s, t^2, t s, s^2
         self.sums = {arm: [0.0] * 6 for arm in self.arms}
         self.cycles = {arm: 0 for arm in self.arms}  # cycles run, undiscounted
         self.explored = 0  # cycles recorded on an arm slower than the best, after every arm's trials
+        self.explored_seconds = 0.0  # their wall clock
+        self.seconds = 0.0  # wall clock of every recorded cycle, undiscounted
 
     def rate(self, arm: str) -> float | None:
         """Tokens per second of the arm's cycles (discounted); None before its first cycle."""
@@ -100,13 +104,17 @@ class Guard:
         if fresh:
             return fresh[0]
         best = self.best()
-        if self.explored + 1 > self.budget * (sum(self.cycles.values()) + 1):
-            return best
         top = rates_best = self.rate(best)
         chosen = best
         for arm in self.arms:
+            if arm == best:
+                continue
+            w, _, s, *_ = self.sums[arm]
+            cycle = s / w  # the arm's mean cycle time
+            if self.explored_seconds + cycle > self.budget * (self.seconds + cycle):
+                continue  # over the budget with this cycle
             optimistic = self.rate(arm) + self.z * self.error(arm)
-            if arm != best and optimistic > rates_best and optimistic > top:
+            if optimistic > rates_best and optimistic > top:
                 chosen, top = arm, optimistic
         return chosen
 
@@ -119,6 +127,8 @@ class Guard:
         best = self.best()
         if best is not None and arm != best:
             self.explored += 1
+            self.explored_seconds += float(seconds)
+        self.seconds += float(seconds)
         d = self.decay
         for sums in self.sums.values():
             sums[:] = [d * x for x in sums]
