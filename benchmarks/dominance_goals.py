@@ -10,7 +10,8 @@ A cell is (workload, slots, link ratio, greedy or sampling): the link ratio is t
 token's compute for its full expert demand (1.4: the structural default, the paper's A100; 0: no link). Each cell
 loads one embedded model per method, makes one untimed warm-up call per method (``--warmup-tokens``: SpecFit's
 acceptance model, cost refresh and guard settle there, as in a session), then the methods take turns prompt by
-prompt (GSM8K / CNN/DailyMail test items from index 100 on). Greedy outputs are checked identical; sampled ones are
+prompt, their order rotating from prompt to prompt (a call right after another method's can run a few percent
+slower or faster) (GSM8K / CNN/DailyMail test items from index 100 on). Greedy outputs are checked identical; sampled ones are
 seeded per prompt, the same seed for every method. SpecFit runs as a user gets it (the profile at hand, refreshed
 online, the guard on); ``--methods`` can add ``specfit-rule`` (SpecFit's rule alone: no guard, no refresh). Prints
 SpecFit / EAGLE-3 and SpecFit / the best of AR, EAGLE-3 and prompt lookup per cell, with the share of cycles the
@@ -59,7 +60,9 @@ def run_cell(cell: dict, methods: list[str], prompts: list[str], tokens: int, wa
     before = dict(guard[1].cycles) if guard else {}
     for i, prompt in enumerate(ids):
         outs = {}
-        for m, model in models.items():
+        names = list(models)
+        for m in names[i % len(names):] + names[:i % len(names)]:  # the order rotates prompt by prompt
+            model = models[m]
             if cell["sampling"]:
                 torch.manual_seed(1000 + i)
             t0 = time.perf_counter()
