@@ -194,11 +194,14 @@ def test_saved_drafter_loads_and_decodes_losslessly(data, tmp_path):
         assert torch.equal(out, expected)
 
 
-def test_cli_end_to_end(tokenizer, tmp_path):
+def test_cli_end_to_end(tokenizer, tmp_path, monkeypatch):
     """The subcommand on a data folder and a saved tiny target: responses, training, saving, measures, model card."""
     from specfit.cli import main
 
     root = tmp_path / "data"
+    # --data-dir sets SPECFIT_DATA_DIR for the process (as the command should); restored after this test, so later
+    # tests in this worker read the real data folder, not this one
+    monkeypatch.setenv("SPECFIT_DATA_DIR", str(root))
     for rel, rows in [("gsm8k/train.jsonl", gsm_rows(40, 1)), ("gsm8k/test.jsonl", gsm_rows(5, 3, tag="test")),
                       ("openstax/train.jsonl", book_rows(10, 2)),
                       ("cnn_dailymail/test.jsonl", [{"article": r["text"], "highlights": "x"} for r in book_rows(2, 4)])]:

@@ -6,13 +6,15 @@ import pytest
 
 from specfit.evaluation import datasets
 
-needs_data = pytest.mark.skipif(datasets.data_dir() is None or not (datasets.data_dir() / "mt_bench").is_dir(),
+DATA = datasets.data_dir()
+needs_data = pytest.mark.skipif(DATA is None or not (DATA / "mt_bench").is_dir(),
                                 reason="no local data folder with mt_bench/ and humaneval/ (../shared/data or "
                                        "SPECFIT_DATA_DIR)")
 
 
 @needs_data
-def test_unseen_workloads_read_their_rows_in_the_prompt_formats():
+def test_unseen_workloads_read_their_rows_in_the_prompt_formats(monkeypatch):
+    monkeypatch.setenv("SPECFIT_DATA_DIR", str(DATA))  # the folder found at collection, whatever ran before
     mt = datasets.prompts("mtbench", 3, max_chars=50)
     assert len(mt) == 3 and all(p.startswith("Question: ") and p.endswith("\nAnswer:") for p in mt)
     assert "travel blog" in mt[0]  # MT-Bench's first question, its first turn
