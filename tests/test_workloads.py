@@ -29,3 +29,9 @@ def test_unknown_workload_and_missing_folder_are_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(datasets, "data_dir", lambda: None)
     with pytest.raises(datasets.DataUnavailable, match="mt_bench/question.jsonl.*SPECFIT_DATA_DIR"):
         datasets.prompts("mtbench", 1)
+    (tmp_path / "gsm8k").mkdir()  # a data folder without HumanEval: the remedy is that folder, not the hub
+    monkeypatch.setattr(datasets, "data_dir", lambda: tmp_path)
+    with pytest.raises(datasets.DataUnavailable, match=f"the data folder {tmp_path} has none.*humaneval/HumanEval") \
+            as refused:
+        datasets.prompts("humaneval", 1)
+    assert "hub" not in str(refused.value)

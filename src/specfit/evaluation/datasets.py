@@ -95,21 +95,20 @@ def cnn_dailymail(limit: int | None = None) -> list[dict]:
     return _from_hub("abisee/cnn_dailymail", "3.0.0", "test", limit)
 
 
+def local_rows(folder: str, file: str, limit: int | None, what: str) -> list[dict]:
+    """Rows read from the local data folder only (no hub copy is read: OpenStax, MT-Bench, HumanEval); a missing
+    folder or file names the only remedy, a folder that holds it."""
+    root = data_dir()
+    if root is None or not (root / folder / file).is_file():
+        where = "there is no local data folder" if root is None else f"the data folder {root} has none"
+        raise DataUnavailable(f"{what} is only read from the local data folder ({folder}/{file}) and {where}; set "
+                              f"SPECFIT_DATA_DIR to a folder that holds {folder}/{file}")
+    return _read_jsonl(root / folder / file, limit)
+
+
 def openstax(limit: int | None = None) -> list[dict]:
     """OpenStax textbook sections (``text``), CC BY 4.0; only available from the local data folder."""
-    root = data_dir()
-    if root is None:
-        raise DataUnavailable("the OpenStax training text is only read from the local data folder (SPECFIT_DATA_DIR)")
-    return _read_jsonl(root / "openstax" / "train.jsonl", limit)
-
-
-def held_out(name: str, file: str, limit: int | None) -> list[dict]:
-    """Rows of a dataset no SpecFit model was trained on (MT-Bench, HumanEval): from the local data folder only."""
-    root = data_dir()
-    if root is None:
-        raise DataUnavailable(f"{name} is only read from the local data folder ({name}/{file}); set "
-                              f"SPECFIT_DATA_DIR to a folder that holds it")
-    return _read_jsonl(root / name / file, limit)
+    return local_rows("openstax", "train.jsonl", limit, "the OpenStax training text")
 
 
 WORKLOADS = ("gsm8k", "cnn", "mtbench", "humaneval")
@@ -127,9 +126,10 @@ def prompts(workload: str, limit: int, max_chars: int | None = None) -> list[str
     if workload == "cnn":
         return [CNN_PROMPT.format(article=cut(r["article"])) for r in cnn_dailymail(limit)]
     if workload == "mtbench":
-        return [GSM8K_PROMPT.format(question=cut(r["turns"][0])) for r in held_out("mt_bench", "question.jsonl", limit)]
+        rows = local_rows("mt_bench", "question.jsonl", limit, "MT-Bench")
+        return [GSM8K_PROMPT.format(question=cut(r["turns"][0])) for r in rows]
     if workload == "humaneval":
-        return [cut(r["prompt"]) for r in held_out("humaneval", "HumanEval.jsonl", limit)]
+        return [cut(r["prompt"]) for r in local_rows("humaneval", "HumanEval.jsonl", limit, "HumanEval")]
     raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
 
 

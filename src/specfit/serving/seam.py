@@ -199,20 +199,20 @@ class SpecFitGenerateManager(GenerateManager):
         if not taken:  # an earlier drain took them
             return
         config = taken[0].gen_config  # the line's settings: equal for every request in it
+        eos = eos_set(config)
         try:
             if len(taken) == 1:
                 inputs = taken[0].inputs
             else:
                 tokenizer = getattr(processor, "tokenizer", processor)
-                pad = next(p for p in (config.pad_token_id, tokenizer.pad_token_id, *sorted(eos_set(config)))
-                           if p is not None)
+                pad = next(p for p in (config.pad_token_id, tokenizer.pad_token_id, *sorted(eos)) if p is not None)
                 inputs = left_padded([w.inputs for w in taken], pad)
             admitted = [w.admitted for w in taken]
             sequences = self._call(model, {**inputs, "generation_config": config, "tokenizer": processor},
                                    admitted[0], batch=admitted)
             width = inputs["input_ids"].shape[-1]
             rows = [sequences[0, width:]] if len(taken) == 1 else [
-                torch.tensor(row_tokens(sequences[b, width:], eos_set(config)), dtype=sequences.dtype)
+                torch.tensor(row_tokens(sequences[b, width:], eos), dtype=sequences.dtype)
                 for b in range(len(taken))]
             with self._stats_lock:
                 for w, row in zip(taken, rows):
