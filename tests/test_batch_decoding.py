@@ -171,7 +171,8 @@ def test_batch_drafted_together_equals_plain_generate(assistant):
 def test_batch_rows_back_off_on_their_own_and_leave_batch_ones_backoff_alone():
     """A profile where every drafted node costs more than a whole plain step: each row's winner is its root alone,
     so each row backs off (skipping drafting, no drafter forward for it) on its own ladder; the runtime's backoff,
-    which batch-1 calls keep across calls, is not touched by the batch; the output is still plain's."""
+    which batch-1 calls keep across calls, is not touched by the batch; the output is still plain's. (The guard is
+    off: its trials of EAGLE-3's way would draft.)"""
     from specfit.drafting.drafter import Eagle3Config, Eagle3Drafter
 
     ids, mask = padded_batch()
@@ -183,7 +184,7 @@ def test_batch_rows_back_off_on_their_own_and_leave_batch_ones_backoff_alone():
     drafter.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape[0]))
     steep = CostModel(intercepts=(1.0,) + tuple(50.0 * k for k in range(1, 8)), beta=0.002, copy_overhead=0.008,
                       link_share=1.0)
-    model = specfit.enable(model, cache_slots=4, drafter=drafter, cost_model=steep, route_source="gate")
+    model = specfit.enable(model, cache_slots=4, drafter=drafter, cost_model=steep, route_source="gate", guard=False)
     model.generate(ids[2:], attention_mask=mask[2:], max_new_tokens=2, do_sample=False, assistant="specfit")
     before = vars(model.specfit.backoff).copy()
     forwards.clear()
