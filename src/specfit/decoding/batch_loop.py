@@ -124,7 +124,8 @@ def decode_batch(model, assistant, input_ids, logits_processor, stopping_criteri
                     demand=verify.demand, misses=verify.misses, seconds=seconds,
                     measurement=sum(c.measurement_seconds for c in cycles), draft_seconds=t_drafted - t0,
                     expected=trees.expected, predicted=trees.predicted, host=verify.host_experts, counts=counts,
-                    way=trees.ways.way if trees.ways is not None else "", row_nodes=trees.row_nodes)
+                    way=trees.ways.way if trees.ways is not None else "", row_nodes=trees.row_nodes,
+                    row_levels=trees.row_levels)
         active, valid = _leave(cache, runs, active, valid)
 
     scope.end(new_tokens=sum(run.length - prompt for run in runs))

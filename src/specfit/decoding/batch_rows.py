@@ -42,10 +42,14 @@ class RowTrees:
             first = self.gens[0]
             top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or 1
             self.ways = BatchWays(self.runtime, first.refresh.base if first.refresh is not None else first.cost,
-                                  len(self.runtime.layers), int(top_k))
+                                  first.cost, len(self.runtime.layers), int(top_k))
         self.pool, self.expected, self.predicted = 0, 0.0, None
         self.last = None  # the batch rule's last BatchSelection
         self.row_nodes: tuple[int, ...] = ()  # draft nodes each row in flight verifies this cycle
+        self.row_levels: tuple[int, ...] = ()  # levels each row in flight drafted this cycle
+        # a generator may bring its own batch rule and way (calibrate's batch probes: scheduled subtrees, SpecFit's
+        # way every cycle); else the batch rule, and the guard's way
+        self.rule = getattr(self.gens[0], "batch_rule", None) or select_batch
         self._priced = None  # (rows, nodes, levels, drafted, (demand, cold)): what this cycle's forecast priced
 
     def start(self, b: int, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
@@ -68,7 +72,7 @@ class RowTrees:
         or, with SpecFit's, the cycle runs the batch's way: plain (no row drafts), EAGLE-3's, or SpecFit's (the batch
         rule re-chooses every row's subtree against the batch's union)."""
         gens = [self.gens[b] for b in active]
-        way = self.ways.choose(len(active)) if self.ways is not None else None
+        way = self.ways.choose(len(active), getattr(gens[0], "batch_way", None)) if self.ways is not None else None
         if way == "plain":  # no row drafts: their committed pairs wait for the next drafted cycle
             for gen in gens:
                 gen.arm, gen.nodes, gen.levels, gen.expected_tokens = "plain", (), 0, 1.0
@@ -84,6 +88,7 @@ class RowTrees:
         self.pool = sum(len(tree) for tree, _ in chosen)
         self.expected = sum(gen.expected_tokens for gen in gens)
         self.predicted = None
+        self.row_levels = tuple(getattr(gen, "levels", 0) if len(tree) else 0 for gen, (tree, _) in zip(gens, chosen))
         if self.ways is None:
             self.row_nodes = tuple(len(nodes) for _, nodes in chosen)
             return chosen
@@ -120,7 +125,7 @@ class RowTrees:
         cost, rows = self.ways.cost, len(gens)
         intercepts = cost.tokens_table(rows, sum(p.max_nodes for p in pools), levels, drafted)
         resident = self.runtime.resident_mask() if cost.miss else None
-        self.last = pick = select_batch(pools, intercepts, cost.beta, cost.miss, resident)
+        self.last = pick = self.rule(pools, intercepts, cost.beta, cost.miss, resident)
         self.runtime.expect_tree(values_all, np.concatenate(routes_all))  # the forecast: every row's pool
         self.expected, self.predicted = pick.expected_tokens, pick.predicted_time
         self._priced = (rows, sum(len(n) for n in pick.nodes), levels, drafted, (pick.demand, pick.misses))

@@ -243,11 +243,12 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
               seed: int = PROBES["seed"], warmup: int = PROBES["warmup_cycles"],
               max_new_tokens: int = PROBES["max_new_tokens"], candidates: int = PROBES["candidates"],
               bootstrap: int = PROBES["bootstrap"], folds: int = PROBES["folds"], gate: dict | None = None,
-              links=None, lanes=None, progress=None) -> Calibration:
+              links=None, lanes=None, progress=None, batch_rows=tuple(PROBES["batch_rows"])) -> Calibration:
     """Run the probes on an enabled model (with a drafter) over ``prompts`` ([1, P] token ids): ``probes``
     configurations after ``warmup`` cycles per prompt, each timed ``repeats`` times on each of ``links`` (default
     ``probe_links(model)``; every cold expert copied) and of ``lanes`` (default ``probe_lanes(model)``; every cold
-    expert computed on the host); fit, assess and return them.
+    expert computed on the host); fit, assess and return them. Then the batch probes (``batch_probes.py``) time
+    batches of ``batch_rows`` rows (none: ``()``) and add a batch's fixed time to the profile (``meta["batch"]``).
 
     ``progress``, if given, is called as ``progress(done, total)`` in generate() calls."""
     for name, value, low in (("probes", probes, 10), ("repeats", repeats, LEAST["repeats"]),
@@ -375,8 +376,25 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
     cost = CostModel.fit(records, max_nodes=max_nodes, draft_level_seconds=levels, kind="cache-aware",
                          quality=quality, **meta)
     if lanes:  # priced at the user's link and the first lane, choosing per expert as "auto" does
-        return Calibration(cost.priced(copy_time[len(links) - 1], host_time[len(links)], "auto"), records, heldout)
-    return Calibration(cost.priced(copy_time[-1]), records, heldout)
+        cost = cost.priced(copy_time[len(links) - 1], host_time[len(links)], "auto")
+    else:
+        cost = cost.priced(copy_time[-1])
+    return Calibration(with_batches(model, prompts, cost, batch_rows, repeats, seed, max_new_tokens), records,
+                       heldout)
+
+
+def with_batches(model, prompts, cost: CostModel, rows, repeats: int, seed: int, max_new_tokens: int) -> CostModel:
+    """``cost`` with a batch's fixed time measured by the batch probes (``batch_probes.py``) in ``meta["batch"]``,
+    when ``rows`` names batch sizes and enough cycles replayed alike."""
+    from dataclasses import replace
+
+    from .batch_probes import BATCH_TOKENS, fit_batch, probe_batches
+
+    if not rows:
+        return cost
+    fit = fit_batch(probe_batches(model, prompts, tuple(rows), repeats=repeats, seed=seed,
+                                  max_new_tokens=min(BATCH_TOKENS, max_new_tokens)), cost)
+    return cost if fit is None else replace(cost, meta={**cost.meta, "batch": fit})
 
 
 def least_records(max_nodes: int, folds: int) -> int:

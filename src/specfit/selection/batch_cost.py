@@ -106,3 +106,7 @@ class BatchCost:
     def with_fixed(self, values) -> "BatchCost":
         """The same model with the five fixed coefficients replaced (in ``FIXED`` order)."""
         return replace(self, **{name: float(v) for name, v in zip(FIXED, values)})
+
+    def with_experts(self, beta: float, miss: float) -> "BatchCost":
+        """The same fixed time with the experts priced at ``beta`` and ``miss`` (the batch-1 model's current ones)."""
+        return replace(self, beta=float(beta), miss=float(miss))

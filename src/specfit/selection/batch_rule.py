@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["RowPool", "BatchSelection", "subtrees", "fixed_time", "select_batch", "gap_to_exact"]
+__all__ = ["RowPool", "BatchSelection", "subtrees", "fixed_time", "select_batch", "price_batch", "gap_to_exact"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,30 @@ def select_batch(rows: Sequence[RowPool], intercepts: Sequence[float], beta: flo
         if not changed:
             break
     return result(picks, False, rounds)
+
+
+def price_batch(rows: Sequence[RowPool], picks: Sequence[Sequence[int]], intercepts: Sequence[float], beta: float,
+                miss: float = 0.0, resident: np.ndarray | None = None) -> BatchSelection:
+    """The figures of given subtrees (``picks[b]``: row b's pool indices), priced as ``select_batch`` prices them (the
+    calibration's probes choose the subtrees themselves and need the same figures).
+
+    >>> row = RowPool([-1], [0.5], np.ones((1, 1, 2), bool), np.array([[True, False]]), 1)
+    >>> p = price_batch([row], [(0,)], (1.0, 1.5), beta=0.25)
+    >>> p.expected_tokens, p.predicted_time, p.demand
+    (1.5, 2.0, 2)
+    """
+    union, expected, nodes = np.zeros(np.shape(rows[0].root_routes), bool), 0.0, 0
+    for row, chosen in zip(rows, picks):
+        union |= np.asarray(row.root_routes, bool)
+        for v in chosen:
+            union |= np.asarray(row.routes[v], bool)
+        expected += 1.0 + sum(row.values[v] for v in chosen)
+        nodes += len(chosen)
+    demand = int(union.sum())
+    misses = int((union & ~np.asarray(resident, bool)).sum()) if resident is not None else 0
+    seconds = fixed_time(intercepts, len(rows) + nodes) + beta * demand + miss * misses
+    return BatchSelection(tuple(tuple(sorted(p)) for p in picks), expected, seconds, expected / seconds, demand,
+                          misses, False, 0)
 
 
 def gap_to_exact(rows: Sequence[RowPool], intercepts, beta, miss=0.0, resident=None) -> tuple[float, float]:

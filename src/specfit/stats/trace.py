@@ -22,7 +22,8 @@ class CycleRecord:
       ``seconds`` (None: the assistant forecasts no time, as AR and EAGLE-3).
     - ``way``: the way SpecFit ran the cycle, ``"specfit"``, ``"eagle3"`` or ``"plain"`` (``""``: an assistant
       without ways). ``row_nodes``: in a batch, the draft nodes each row verified (the batch rule's choice under
-      SpecFit's way), in the order of the rows in flight; empty at batch 1.
+      SpecFit's way), in the order of the rows in flight; ``row_levels`` the levels each row drafted; both empty at
+      batch 1.
     """
 
     n_nodes: int
@@ -37,6 +38,7 @@ class CycleRecord:
     host_experts: int = 0  # of `demand`, computed on the host lane (neither resident nor copied)
     way: str = ""  # "specfit", "eagle3" or "plain": the way SpecFit ran the cycle ("" for other assistants)
     row_nodes: tuple[int, ...] = ()  # a batch: draft nodes verified per row in flight (empty at batch 1)
+    row_levels: tuple[int, ...] = ()  # a batch: levels drafted per row in flight (empty at batch 1)
 
 
 class Trace(list):
