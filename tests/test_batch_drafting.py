@@ -142,4 +142,11 @@ def test_left_padded_rows_draft_their_own_prompts_as_alone(monkeypatch, assistan
     assert sorted(together) == sorted(LENGTHS_E2E)  # each row's cache: its prompt's pairs (token, next) only
     for b in range(3):
         tokens = int(mask[b].sum())
-        assert together[tokens] == run(ids[b:b + 1, mask[b].bool()])[tokens], f"row {b}"
+        alone = run(ids[b:b + 1, mask[b].bool()])[tokens]
+        if assistant == "eagle3":
+            assert together[tokens] == alone, f"row {b}"
+        else:  # SpecFit's rows draft deeper in a batch (levels are cheap there): the levels alone drafted agree, and
+            # the subtrees differ from then on (the batch rule chooses), so the first cycle is compared
+            (t_tokens, t_parents, t_stable, _), (a_tokens, a_parents, a_stable, _) = together[tokens][0], alone[0]
+            n = len(a_tokens)
+            assert (t_tokens[:n], t_parents[:n], t_stable) == (a_tokens, a_parents, a_stable), f"row {b}"

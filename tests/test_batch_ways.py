@@ -218,8 +218,14 @@ def test_calibrated_batch_nodes_are_valued_as_batch_one_values_them(monkeypatch)
     enabled(guard=False).generate(ids.repeat(2, 1), attention_mask=torch.ones(2, 9, dtype=torch.long),
                                   max_new_tokens=3, do_sample=False, assistant="specfit")
     first = batch[0]
-    b1 = next(v for v in alone if len(v) == len(first[0]))  # batch 1's values of the same pool, first cycle
-    assert first[0] == pytest.approx(b1) and first[1] == pytest.approx(b1)
+    b1 = alone[0]  # batch 1's first cycle: the values of its pool after its last drafted level
+    for values in alone[1:]:
+        if len(values) <= len(b1):
+            break
+        b1 = values
+    # the rows draft deeper in a batch (levels are cheap there); the levels both drafted are valued alike
+    assert len(first[0]) >= len(b1) > 0
+    assert first[0][:len(b1)] == pytest.approx(b1) and first[1][:len(b1)] == pytest.approx(b1)
     assert first[0] != pytest.approx(probs[0])  # path values, not the draft's path probabilities
 
 

@@ -39,6 +39,7 @@ class RowTrees:
                 # a row's own winner is not what the batch verifies (the batch rule re-chooses): rows prefetching
                 # their own winners would fight over the same slots
                 gen.prefetch = False
+                gen.together = self.batched  # drafted together: SpecFit's way at EAGLE-3's price (batch_drafting)
             first = self.gens[0]
             top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or 1
             self.ways = BatchWays(self.runtime, first.refresh.base if first.refresh is not None else first.cost,
@@ -97,8 +98,9 @@ class RowTrees:
         if way == "specfit" and drafting:
             chosen = self._batch_rule(gens, cycles, chosen, levels, drafted)
             for gen, (tree, nodes) in zip(gens, chosen):
-                if len(tree):  # the row's backoff learns whether the batch took its tree
+                if len(tree):  # the row's backoff learns whether the batch took its tree; its next depth follows
                     gen.backoff.record(paid=bool(nodes))
+                    gen.batch_depth = max(1, min(gen.depth, 1 + max((tree.depths[v] for v in nodes), default=0)))
         else:
             nodes = sum(len(n) for _, n in chosen)
             self.predicted, demand, cold = self.ways.forecast(len(active), nodes, levels, drafted)

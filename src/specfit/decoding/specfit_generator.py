@@ -59,6 +59,13 @@ class SpecFitGenerator(Eagle3Generator):
         self.way = None  # a batch row: the way the batch runs this cycle (decoding/batch_rows.py); None alone
         self._head = None  # the route head, set aside while a batch row drafts EAGLE-3's way
         self._sampling = False  # ... and whether its cycle samples
+        # a batch row drafting in one drafter forward per step with the others (decoding/batch_rows.py sets it):
+        # SpecFit's way drafts at EAGLE-3's price, to ``batch_depth`` levels (the batch rule sets it, cycle by cycle:
+        # one deeper than the deepest node it took from the row), no selector per level; the route head, set aside
+        # as ``route_after``, routes the whole pool after the levels, for every row in one forward
+        self.together = False
+        self.batch_depth = opts.depth
+        self.route_after = None
 
     def start(self, features, next_tokens):
         """The prompt waits with the committed pairs until the next cycle drafts (``_catch_up``)."""
@@ -99,6 +106,9 @@ class SpecFitGenerator(Eagle3Generator):
         self.values, self.estimates = [], []
         if self.calibrated:
             self.acceptance = acceptance_model(self.runtime, cycle.sampling)
+        if self.together:  # a batch row drafting with the others: levels at EAGLE-3's price, routes after them
+            self.route_after, self.drafter.route_head = self.drafter.route_head, None
+            return None
         self._resident = self.runtime.resident_mask() if self.cost.miss else None  # [L, E], as this cycle starts
         return None
 
@@ -115,6 +125,8 @@ class SpecFitGenerator(Eagle3Generator):
     def level_drafted(self, tree, cycle):
         if self.arm == "eagle3":  # a batch row drafting EAGLE-3's way: every level, no routes, no selector
             return True
+        if self.together:  # a batch row: to its depth (one deeper than the batch last took), no selector per level
+            return tree.depth < self.batch_depth
         node_routes, root_routes = self.routes(cycle, tree)  # [N, L, E], [L, E]
         cost = self.level_costs[tree.depth - 1] if self.level_costs else self.cost
         values = self._path_values(tree) if self.calibrated else tree.path_probs
@@ -129,6 +141,12 @@ class SpecFitGenerator(Eagle3Generator):
         if self.arm == "eagle3":
             self.drafter.route_head = self._head
             return self._verify_as_eagle(tree, self._sampling)
+        if self.together:  # the batch rule chooses; its pool's routes came after the levels (batch_drafting.py)
+            self.drafter.route_head, self.route_after = self.route_after, None
+            self.levels = tree.depth
+            if self.calibrated:
+                self._path_values(tree)
+            return tree
         values, node_routes, root_routes = self._level
         resident = self._resident
         self.levels = tree.depth
