@@ -255,3 +255,151 @@ def test_batches_refused_before_any_forward(case):
     with pytest.raises(ValueError, match=message):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, assistant="specfit", **kw)
     assert model.specfit.stats.total.forwards == forwards
+
+
+LEVELED = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.002, copy_overhead=0.008,
+                    link_share=1.0, draft_level_seconds=(0.05, 0.04, 0.04, 0.04, 0.04),
+                    meta={"batch": {"base": 0.3, "per_row": 0.05, "per_node": 0.02, "level": 0.03,
+                                    "level_row": 0.007}})
+
+
+def test_eagle3s_way_is_forecast_by_its_last_cycles_experts_per_token_verified():
+    """Every cycle EAGLE-3's way: the forecast is the batch model's fixed time at its nodes and levels, plus the
+    demand and cold experts per token verified (roots and nodes) of the last such cycle."""
+    ids, mask = padded_batch()
+    model = enabled(guard=False)
+    model.specfit.stats.start_trace()
+    Way.batch_way = "eagle3"
+    model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant=Way)
+    Way.batch_way = "plain"
+    rows_cost = SpecFitGenerator(model).cost
+    cost = BatchCost.of(rows_cost)
+    trace = model.specfit.stats.trace
+    assert all(r.way == "eagle3" for r in trace)
+    for before, r in zip(trace, trace[1:]):
+        rows, tokens = len(r.row_nodes), len(r.row_nodes) + r.n_nodes
+        seen = before.demand / (len(before.row_nodes) + before.n_nodes), \
+            (before.misses + before.host_experts) / (len(before.row_nodes) + before.n_nodes)
+        want = cost.fixed(rows, r.n_nodes, max(r.row_levels), sum(r.row_levels)) + \
+            rows_cost.beta * seen[0] * tokens + rows_cost.miss * seen[1] * tokens
+        assert r.predicted_seconds == pytest.approx(want, rel=1e-9)
+
+
+def test_a_row_drafts_one_level_deeper_than_the_batch_last_took_from_it(monkeypatch):
+    """SpecFit's way in a batch: a row's first cycle drafts the full depth; each next one drafts one level deeper
+    than the deepest node the batch rule took from it (at least one level), every row by its own depth."""
+    picks = []
+    original = batch_rows.select_batch
+
+    def record(pools, *args):
+        pick = original(pools, *args)
+        depths = []
+        for pool, nodes in zip(pools, pick.nodes):
+            d = [0] * len(pool.parents)
+            for v, p in enumerate(pool.parents):
+                d[v] = 1 if p < 0 else d[p] + 1
+            depths.append(max((d[v] for v in nodes), default=0))
+        picks.append(depths)
+        return pick
+    monkeypatch.setattr(batch_rows, "select_batch", record)
+    ids, mask = padded_batch()
+    model = enabled(guard=False, cost_model=LEVELED)
+    model.specfit.stats.start_trace()
+    model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, assistant="specfit")
+    trace = [r for r in model.specfit.stats.trace if r.pool]  # the cycles the batch rule priced, as picks
+    assert len(trace) == len(picks) and trace[0].row_levels == (5, 5, 5)
+    history = {k: [] for k in range(3)}  # per row: (levels drafted, deepest node taken) of its drafted cycles
+    for r, taken in zip(trace, picks):
+        if len(r.row_levels) != 3:  # a row left: the rows' places in flight change
+            break
+        for k in range(3):
+            if r.row_levels[k]:
+                history[k].append((r.row_levels[k], taken[k]))
+    pairs = [(before, after) for h in history.values() for before, after in zip(h, h[1:])]
+    assert len(pairs) >= 3
+    for (_, deepest), (levels, _) in pairs:
+        assert levels == max(1, min(5, 1 + deepest))
+
+
+def test_specfits_way_charges_its_levels_once_and_its_row_levels_per_row(monkeypatch):
+    """With a calibrated batch section whose level and row-level prices differ, the rule's fixed time charges
+    ``level`` per level drafted (the deepest row's) and ``level_row`` per level each row drafted."""
+    seen = []
+    original = batch_rows.select_batch
+
+    def record(pools, intercepts, *args):
+        seen.append((len(pools), list(intercepts)))
+        return original(pools, intercepts, *args)
+    monkeypatch.setattr(batch_rows, "select_batch", record)
+    ids, mask = padded_batch()
+    model = enabled(guard=False, cost_model=LEVELED, cost_refresh=False)
+    model.specfit.stats.start_trace()
+    model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, assistant="specfit")
+    drafted = [r for r in model.specfit.stats.trace if r.pool]
+    assert len(drafted) == len(seen) > 0 and any(len(set(r.row_levels)) > 1 for r in drafted)
+    b = LEVELED.meta["batch"]
+    for r, (rows, table) in zip(drafted, seen):
+        want = b["base"] + b["per_row"] * rows + b["level"] * max(r.row_levels) + b["level_row"] * sum(r.row_levels)
+        assert table[rows - 1] == pytest.approx(want)
+
+
+def test_rows_left_plain_inside_specfits_way_are_counted_as_they_ran():
+    """plain_row_cycles counts exactly the rows of SpecFit-way cycles that drafted nothing (their backoff)."""
+    ids, mask = padded_batch()
+    steep = CostModel(intercepts=(1.0,) + tuple(50.0 * k for k in range(1, 8)), beta=0.002, copy_overhead=0.008,
+                      link_share=1.0)
+    model = enabled(guard=False, cost_model=steep)
+    model.specfit.stats.start_trace()
+    model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant="specfit")
+    trace = model.specfit.stats.trace
+    idle_rows = sum(r.row_levels.count(0) for r in trace if r.way == "specfit")
+    assert 0 < model.specfit.stats.last_generate.plain_row_cycles == idle_rows < 3 * len(trace)
+
+
+def test_plain_steps_teach_both_drafted_ways_and_a_way_teaches_its_own(monkeypatch):
+    """The batch refresh: a plain step's clock refits the fixed time of SpecFit's way and of EAGLE-3's; an EAGLE-3
+    cycle refits EAGLE-3's alone."""
+    ids, mask = padded_batch()
+    model = enabled(guard=False, cost_model=LEVELED)
+    Way.batch_way = "plain"
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, assistant=Way)
+    refresh = model.specfit.batch_refresh[1]
+    plain = model.specfit.stats.last_generate.cycles
+    assert refresh["specfit"].cycles == refresh["eagle3"].cycles == plain
+    Way.batch_way = "eagle3"
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, assistant=Way)
+    Way.batch_way = "plain"
+    eagle = model.specfit.stats.last_generate.cycles
+    assert refresh["specfit"].cycles == plain and refresh["eagle3"].cycles == plain + eagle
+
+
+def test_a_batch_rows_pool_is_routed_as_its_pool_alone(monkeypatch):
+    """The pools drafted together are routed after their levels in one forward: each row's routes (nodes and
+    root) equal the routes of the same pool drafted alone."""
+    from specfit.decoding import batch_drafting
+
+    routed = []
+    original = batch_drafting.route_pools
+
+    def record(drafters, head):
+        original(drafters, head)
+        routed.append([(d.stable, d.routes()) for d in drafters])
+    monkeypatch.setattr(batch_drafting, "route_pools", record)
+    ids, mask = padded_batch()
+    model = enabled(guard=False)
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, assistant="specfit")
+    first = {stable: routes for stable, routes in routed[0]}
+    for b in range(3):
+        tokens = int(mask[b].sum())
+        alone = enabled(guard=False)
+        seen = []
+        from specfit.decoding.specfit_generator import SpecFitGenerator as Gen
+        real = Gen.end_draft
+        monkeypatch.setattr(Gen, "end_draft", lambda self, tree: seen.append(self.drafter.routes()) or
+                            real(self, tree))
+        alone.generate(ids[b:b + 1, mask[b].bool()], max_new_tokens=2, do_sample=False, assistant="specfit")
+        monkeypatch.setattr(Gen, "end_draft", real)
+        nodes, root = seen[0]
+        together_nodes, together_root = first[tokens]
+        assert (together_root == root).all()
+        assert (together_nodes[:len(nodes)] == nodes).all(), f"row {b}"
