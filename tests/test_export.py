@@ -143,10 +143,17 @@ def test_what_serving_passes_is_taken_streamer_one_token_per_entry(loaded):
 
 
 def test_a_call_names_its_own_assistant_and_other_methods_are_refused_before_work(loaded):
+    from transformers import GenerationConfig
+
     model, plain, tokenizer = loaded
     ids = prompt_ids(tokenizer)
     reference = plain.generate(ids, max_new_tokens=8, do_sample=False)
     assert model.generate(ids, max_new_tokens=8, do_sample=False, assistant=None).tolist() == reference.tolist()
+    assert model.specfit.stats.last_method == "ar"
+    model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert model.specfit.stats.last_method == "specfit"
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, assistant="none")  # as a served request's JSON
+    assert model.generate(ids, generation_config=config).tolist() == reference.tolist()
     assert model.specfit.stats.last_method == "ar"
     model.generate(ids, max_new_tokens=8, do_sample=False)  # a call of the folder's assistant
     calls = model.specfit.stats.total.new_tokens
@@ -256,6 +263,13 @@ def test_stock_transformers_serve_serves_it_with_specfit(exported, loaded, tmp_p
             lines = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
         assert len(lines) == 2 and all(line["method"] == "specfit" and line["cycles"] >= 1 for line in lines)
         assert all(line["new_tokens"] == NEW and line["tokens_committed"] > line["cycles"] for line in lines)
+        # a request's generation_config names the assistant: "none" is plain decoding (5.25 drops a null), the
+        # same text
+        plain_reply = client.completions.create(model=str(out), prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                                extra_body={"generation_config": json.dumps({"assistant": "none"})})
+        assert plain_reply.choices[0].text == text
+        last = json.loads(log.read_text().splitlines()[-1])
+        assert last["method"] == "ar" and last["new_tokens"] == NEW
     finally:
         os.killpg(server.pid, 15)
         try:
@@ -383,3 +397,43 @@ def test_settings_are_checked_when_read(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not JSON"):
         export_settings.read(path)
+
+
+# --- where the folder is, and what the loaded model cannot run ------------------------------------------------------
+def test_the_folder_is_found_from_the_model_or_refused_with_how_to_load_it(tmp_path, exported):
+    from types import SimpleNamespace
+
+    from specfit.export.location import exported_folder
+
+    out, _, _ = exported
+
+    def model(source):
+        return SimpleNamespace(name_or_path=source, config=SimpleNamespace(_name_or_path=source))
+
+    assert exported_folder(model(str(out))) == out.resolve()
+    with pytest.raises(ValueError, match=r"holds no custom_generate/specfit.json: load it with AutoModelForCausalLM"):
+        exported_folder(model(str(embedded.TARGET_DIR)))
+    with pytest.raises(ValueError, match="neither a folder nor a Hub repo id"):
+        exported_folder(model(str(tmp_path / "gone")))
+    with pytest.raises(ValueError, match=r"the Hub repo 'specfit-test/not-cached' \(revision main\): its "
+                                         r"custom_generate/specfit.json and drafter/ could not be fetched"):
+        exported_folder(model("specfit-test/not-cached"))  # offline (conftest), and not in the hub cache
+
+
+def test_settings_the_loaded_model_cannot_run_are_refused_before_enabling(tmp_path, caches):
+    """A folder exported with --cold host, loaded on the CPU: no host lane there; a model spread over two devices:
+    refused, naming the file or the load call, and the model stays plain."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "host"
+    assert cli.main(["export", str(out), "--cold", "host", "--slots", "8"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": 0}
+    with pytest.raises(ValueError, match=r"loaded over \['0', 'cpu'\].*load the folder with device_map='cuda'"):
+        model.generate(ids, max_new_tokens=2)
+    del model.hf_device_map
+    with pytest.raises(ValueError, match=r"specfit.json: 'cold' 'host' cannot run on cpu .*set it to 'copy' or null"):
+        model.generate(ids, max_new_tokens=2)
+    assert getattr(model, "specfit", None) is None
+    assert model.model.layers[0].mlp.experts.gate_up_proj.device.type == "cpu"  # the experts untouched

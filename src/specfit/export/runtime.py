@@ -5,7 +5,8 @@ the call's arguments arrive as they were given to ``model.generate``, plus ``mod
 At the first call SpecFit is enabled on the model the stock loader placed, on its device, with the folder's settings
 (``settings.py``): the experts move to SpecFit's host store, the drafter is loaded, and ``model.specfit`` (with its
 ``stats``) exists from then on. Each call then runs SpecFit's ``generate()`` with the folder's assistant unless the
-call names one (``assistant=None``: transformers' own decoding, the experts still offloaded). It takes every
+call names one (``assistant=None`` or ``"none"``: transformers' own decoding, the experts still offloaded; by keyword,
+or as a field of the generation config passed, as a served request's ``generation_config`` JSON sets it). It takes every
 argument ``generate()`` takes, the ones stock ``transformers serve`` passes included (``streamer``,
 ``stopping_criteria``, ``tokenizer``, a ``generation_config``, sampling settings); what SpecFit cannot do is refused
 before any work, naming what to pass instead.
@@ -35,7 +36,11 @@ def generate(*args, model, **kwargs):
     """``model.generate(*args, **kwargs)`` with SpecFit, enabled at the first call (see the module docstring)."""
     folder, settings = _settings_of(model)
     named_assistant = kwargs.pop("assistant", _UNSET)
+    if named_assistant is _UNSET:  # a generation config's own field (transformers serve 5.24 builds one per request)
+        named_assistant = getattr(_passed_config(args, kwargs), "assistant", _UNSET)
     assistant = export_settings.assistant(settings) if named_assistant is _UNSET else named_assistant
+    if assistant == "none":  # as the command line spells plain decoding (a request's JSON: 5.25 drops nulls)
+        assistant = None
     if assistant is not None and named_assistant is _UNSET:
         _check_method(model, args, kwargs, settings, folder)
     if getattr(model, "specfit", None) is None:
@@ -47,6 +52,13 @@ def generate(*args, model, **kwargs):
     out = type(model).generate(model, *args, assistant=assistant, **kwargs)  # the class's: SpecFit's strategy
     _log(model)
     return out
+
+
+def _passed_config(args, kwargs):
+    """The generation config the call was given (by keyword or in its place among the positional arguments)."""
+    from ..decoding.loop import generate_arguments
+
+    return generate_arguments(args, kwargs).get("generation_config")
 
 
 def _settings_of(model):
@@ -78,6 +90,7 @@ def _check_method(model, args, kwargs, settings, folder) -> None:
 def _enable(model, folder, settings) -> None:
     """SpecFit on the model as the stock loader placed it: on its device, every weight in memory there."""
     from .. import embedded
+    from ..enable_checks import _cold_mode
     from ..patch import enable
 
     devices = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()})
@@ -90,6 +103,12 @@ def _enable(model, folder, settings) -> None:
         raise ValueError(f"{folder / export_settings.SETTINGS_FILE}: 'link_ms' {settings['link_ms']} emulates a host "
                          f"link for CPU studies, and the model is on {device}, where the copies are real: set it to "
                          f"null, or export the folder again without --link-ms")
+    try:
+        _cold_mode(settings["cold"], None, device, None)
+    except ValueError as err:  # 'host' or 'auto' on a CPU: the folder cannot give it an emulated host lane
+        raise ValueError(f"{folder / export_settings.SETTINGS_FILE}: 'cold' {settings['cold']!r} cannot run on "
+                         f"{device} ({str(err).split(':')[0]}): set it to 'copy' or null, or load the model on "
+                         f"CUDA, where the host CPU computes cold experts") from None
     named = model.config._name_or_path
     if settings["embedded"]:  # named as specfit.embedded.load names it, so its cost profiles are found
         model.config._name_or_path = embedded.MODEL_ID
