@@ -330,6 +330,8 @@ def test_a_model_without_moe_layers_or_weights_or_a_missing_drafter_is_refused(t
     assert "hf download Qwen/Qwen3-30B-A3B --local-dir DIR" in err
     assert "--slots must be in 1..64" in refused(capsys, tmp_path / "a", "--slots", "65")
     assert "--link-ms must be" in refused(capsys, tmp_path / "a", "--link-ms", "-1")
+    assert "drop one of them" in refused(capsys, tmp_path / "a", "--cold", "host", "--link-ms", "0.1")
+    assert "is not a Hub model id" in refused(capsys, tmp_path / "a", "--base-model", "not an id")
     assert not (tmp_path / "a").exists()
 
 
@@ -350,6 +352,7 @@ def test_a_drafterless_export_of_a_checkpoint_folder_runs_plain_decoding(tmp_pat
     moe = tmp_path / "moe"
     shutil.copytree(embedded.TARGET_DIR, moe)
     out = tmp_path / "plain-out"
+    out.mkdir()  # an empty folder is taken
     assert cli.main(["export", str(out), "--model", str(moe), "--assistant", "none", "--slots", "8",
                      "--link-ms", "0.01", "--base-model", "specfit-test/moe"]) == 0
     settings = export_settings.read(out / export_settings.SETTINGS_FILE)
