@@ -403,8 +403,11 @@ def test_settings_are_checked_when_read(tmp_path):
 
 
 # --- where the folder is, and what the loaded model cannot run ------------------------------------------------------
-def test_the_folder_is_found_from_the_model_or_refused_with_how_to_load_it(tmp_path, exported):
+def test_the_folder_is_found_from_the_model_or_refused_with_how_to_load_it(tmp_path, exported, monkeypatch):
+    import fnmatch
     from types import SimpleNamespace
+
+    import huggingface_hub
 
     from specfit.export.location import exported_folder
 
@@ -421,6 +424,21 @@ def test_the_folder_is_found_from_the_model_or_refused_with_how_to_load_it(tmp_p
     with pytest.raises(ValueError, match=r"the Hub repo 'specfit-test/not-cached' \(revision main\): its "
                                          r"custom_generate/specfit.json and drafter/ could not be fetched"):
         exported_folder(model("specfit-test/not-cached"))  # offline (conftest), and not in the hub cache
+
+    def hub(repo_id, revision=None, allow_patterns=()):  # the Hub, holding the folder: gives what is asked for
+        local = tmp_path / "fetched" / repo_id
+        for f in out.rglob("*"):
+            name = f.relative_to(out).as_posix()
+            if f.is_file() and any(fnmatch.fnmatch(name, pattern) for pattern in allow_patterns):
+                (local / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, local / name)
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    fetched = exported_folder(model("specfit-test/online"))
+    assert (fetched / "custom_generate" / "specfit.json").is_file() and (fetched / "drafter" / "config.json").is_file()
+    assert (fetched / "drafter" / "model.safetensors").is_file()
+    assert not (fetched / "model.safetensors").exists()  # the target's weights are transformers' to fetch, once
 
 
 def test_settings_the_loaded_model_cannot_run_are_refused_before_enabling(tmp_path, caches):
