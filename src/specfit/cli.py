@@ -99,6 +99,14 @@ SUBCOMMANDS = {
               "/v1/completions, streaming or not, /v1/models, and each request's SpecFit counters at "
               "/v1/specfit/stats/ID. Requests are served one at a time in arrival order; more than --max-queue "
               "waiting get 429. Needs the serve extra: pip install 'specfit[serve]'. docs/serve.md says more."),
+    "export": ("specfit.export.command",
+               "write a model folder that stock transformers runs with SpecFit (custom_generate)",
+               "Write a model folder (the target's weights, hard-linked where possible, else copied; the drafter; the "
+               "tokenizer; custom_generate/generate.py and SpecFit's settings) that stock transformers runs with "
+               "SpecFit: AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True).generate(...) enables "
+               "SpecFit on the loaded model at its first call, and `transformers serve OUT --trust-remote-code` "
+               "serves it; without trust_remote_code the model is plain. Nothing is loaded: every option is checked "
+               "from the folders' files. docs/export.md says more, and how to push the folder to the Hub."),
     "train-target": ("specfit.training.target", "train the embedded Qwen3-MoE (and its tokenizer) from scratch",
                      "Train the embedded Qwen3-MoE and its tokenizer from scratch on GSM8K and OpenStax text "
                      "(needs the local data folder)."),

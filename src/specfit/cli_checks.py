@@ -154,3 +154,17 @@ def cuda_device(args, name: str = "device") -> None:
     if installed.endswith("+cpu"):
         raise ValueError(f"{flag(name)} {getattr(args, name)}: the installed torch {installed} is a CPU build; use "
                          f"{flag(name)} cpu, or install a CUDA build of torch")
+
+
+def empty_output(value: str, what: str) -> Path:
+    """An output folder that does not exist yet or is empty, and can be written (``writable``): a command that writes
+    a whole folder never overwrites or mixes into one that holds files."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        entries = sorted(p.name for p in path.iterdir())
+        if entries:
+            shown = ", ".join(repr(e) for e in entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3
+                                                                else "")
+            raise ValueError(f"{what} {value!r} exists and is not empty (it holds {shown}); give a new folder or an "
+                             f"empty one: nothing in it is overwritten")
+    return writable(value, what)
