@@ -12,7 +12,8 @@ from conftest import SelfDrafter, tiny_moe
 import specfit
 from specfit.drafting.tree import DraftTree
 from specfit.evaluation import probes as probes_module
-from specfit.evaluation.probes import ReplayProbe, calibrate, random_subtree, schedule
+from specfit.drafting.tree import random_subtree
+from specfit.evaluation.probes import ReplayProbe, calibrate, schedule
 from specfit.selection.batch_cost import FIXED, BatchCost
 from specfit.selection.route_sources import Cycle
 

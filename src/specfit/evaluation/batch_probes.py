@@ -19,11 +19,12 @@ import random
 import numpy as np
 
 from ..decoding.specfit_generator import SpecFitGenerator
+from ..drafting.tree import random_subtree
 from ..selection.batch_cost import FIXED
 from ..selection.batch_rule import price_batch
-from .probes import random_subtree
+from ..selection.cost_model import CostModel
 
-__all__ = ["probe_batches", "fit_batch", "BATCH_ROWS"]
+__all__ = ["probe_batches", "fit_batch", "with_batches", "BATCH_ROWS"]
 
 BATCH_ROWS = (2, 4)  # the batch sizes probed
 BATCH_TOKENS = 24  # new tokens per row in each probe batch
@@ -109,3 +110,15 @@ def fit_batch(records: list[dict], cost) -> dict | None:
     return {**{name: float(v) for name, v in zip(FIXED, coef)}, "records": len(records),
             "rows": sorted({r["rows"] for r in records}),
             "r2": 1.0 - float(residual @ residual) / spread if spread > 0 else None}
+
+
+def with_batches(model, prompts, cost: CostModel, rows, repeats: int, seed: int, max_new_tokens: int) -> CostModel:
+    """``cost`` (``probes.calibrate``'s fit) with a batch's fixed time measured by the batch probes in
+    ``meta["batch"]``, when ``rows`` names batch sizes and enough cycles replayed alike."""
+    from dataclasses import replace
+
+    if not rows:
+        return cost
+    fit = fit_batch(probe_batches(model, prompts, tuple(rows), repeats=repeats, seed=seed,
+                                  max_new_tokens=min(BATCH_TOKENS, max_new_tokens)), cost)
+    return cost if fit is None else replace(cost, meta={**cost.meta, "batch": fit})

@@ -46,7 +46,7 @@ import torch
 
 from ..calibration import LEAST, PROBES
 from ..decoding.assistants import Eagle3Generator
-from ..drafting.tree import DraftTree
+from ..drafting.tree import DraftTree, random_subtree
 from ..offload.host_compute import InlineLane
 from ..offload.host_lane import EmulatedHostLane
 from ..offload.link import EmulatedLink
@@ -173,20 +173,6 @@ class ReplayProbe(_Probe):
             return planned.nodes
         size = len(planned.nodes) if planned is not None else self.rng.randint(0, self.max_nodes)
         return random_subtree(tree.parents, min(size, len(tree)), self.rng)
-
-
-def random_subtree(parents, size: int, rng: random.Random) -> tuple[int, ...]:
-    """An ancestor-closed subset of ``size`` pool nodes, grown from the root by adding random frontier nodes."""
-    children = [[] for _ in parents]
-    frontier = []
-    for v, p in enumerate(parents):
-        (frontier if p < 0 else children[p]).append(v)
-    chosen: list[int] = []
-    while len(chosen) < size and frontier:
-        v = frontier.pop(rng.randrange(len(frontier)))
-        chosen.append(v)
-        frontier += children[v]
-    return tuple(sorted(chosen))
 
 
 def schedule(rng: random.Random, max_nodes: int):
@@ -379,22 +365,10 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
         cost = cost.priced(copy_time[len(links) - 1], host_time[len(links)], "auto")
     else:
         cost = cost.priced(copy_time[-1])
+    from .batch_probes import with_batches  # one way: the batch probes need nothing of this module
+
     return Calibration(with_batches(model, prompts, cost, batch_rows, repeats, seed, max_new_tokens), records,
                        heldout)
-
-
-def with_batches(model, prompts, cost: CostModel, rows, repeats: int, seed: int, max_new_tokens: int) -> CostModel:
-    """``cost`` with a batch's fixed time measured by the batch probes (``batch_probes.py``) in ``meta["batch"]``,
-    when ``rows`` names batch sizes and enough cycles replayed alike."""
-    from dataclasses import replace
-
-    from .batch_probes import BATCH_TOKENS, fit_batch, probe_batches
-
-    if not rows:
-        return cost
-    fit = fit_batch(probe_batches(model, prompts, tuple(rows), repeats=repeats, seed=seed,
-                                  max_new_tokens=min(BATCH_TOKENS, max_new_tokens)), cost)
-    return cost if fit is None else replace(cost, meta={**cost.meta, "batch": fit})
 
 
 def least_records(max_nodes: int, folds: int) -> int:
