@@ -176,6 +176,18 @@ def main(argv=None) -> int:
             raise
         print(f"specfit {name}: error: {err}\n(set SPECFIT_TRACEBACK=1 to see where)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # Ctrl-C: the command kept what it had done and says what, in its message
+        return interrupted(name, err)
+
+
+def interrupted(name: str, err: KeyboardInterrupt) -> int:
+    """Ctrl-C in a command: one line on stderr (what the command kept, when it said so), no traceback (unless
+    ``SPECFIT_TRACEBACK``), and the shell's exit status for SIGINT."""
+    if os.environ.get("SPECFIT_TRACEBACK"):
+        raise err
+    said = " ".join(str(err).split())
+    print(f"\nspecfit {name}: interrupted (Ctrl-C){': ' + said if said else ''}", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -143,21 +143,21 @@ def check_arguments(args) -> None:
         raise ValueError(f"--device {args.device}: the embedded model runs on the CPU only (specfit.embedded.load); "
                          f"leave --device out, or calibrate a checkpoint of your own with --model")
     check.cuda_device(args)
-    if args.out:
-        check.writable(args.out, "--out", kind="file")
+    check.output(args, "out", kind="file")
+    check.output(args, "plot", kind="file")
+    if not args.out:  # the profile (and the kept link, the plot beside it) goes to the user cache
+        from ..selection.profile_files import cache_root
+
+        check.writable(str(cache_root()), "the user cache ($SPECFIT_CACHE, where the profile goes without --out)")
     config = check.checkpoint_config(args.model) if args.model else json.loads((TARGET_DIR / "config.json").read_text())
-    experts = check.moe_config(config, args.model, "--model") if args.model else check.experts_per_layer(config)
+    experts = check.experts_per_layer(config)
     if args.slots is not None and experts is not None and not 1 <= args.slots <= experts:
         raise ValueError(f"--slots must be in 1..{experts} (the model's experts per MoE layer), got {args.slots}")
     check.at_least(args, 1, "slots")
     if args.slots is None and experts is None:
         raise ValueError("cannot tell the model's experts per MoE layer from its config; pass --slots N")
     if args.drafter is not None:
-        if Path(args.drafter).expanduser().exists():
-            check.folder(args.drafter, "--drafter", must_hold="config.json")
-        elif not check.HUB_ID.match(args.drafter):
-            raise ValueError(f"--drafter {args.drafter!r} is neither a local EAGLE-3 checkpoint folder (no such path) "
-                             f"nor a hub id (owner/name)")
+        check.drafter_source(args.drafter)  # before the target loads: a typo is refused now, not after it
     if args.acceptance_only:
         drafter = args.drafter or (str(DRAFTER_DIR) if args.model is None else None)
         if not args.out and (drafter is None or not Path(drafter).is_dir()):
@@ -191,10 +191,9 @@ def main(args) -> int:
     elif args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
         torch.set_num_threads(1)  # see --threads: the default that keeps the timer quiet on a shared CPU
     if args.model is None or args.default_link:  # the structural default link is kept with the profile fitted here
-        from ..embedded import default_link_seconds
+        from ..embedded import link_store, recheck_default_link
 
-        print(f"default link measured again: {default_link_seconds(refresh=True) * 1e3:.3f} ms per copy, kept for "
-              f"this machine's next runs", flush=True)
+        print(link_store.recheck_line(*recheck_default_link()), flush=True)
     t0 = time.perf_counter()
     model, tokenizer = _load(args)
     print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
