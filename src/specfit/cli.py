@@ -89,6 +89,13 @@ SUBCOMMANDS = {
                   "bootstrap intervals, the selector's stability) and installs the profile in the user cache, where "
                   "specfit.enable finds it. A poor fit is refused with the remedy (--force installs it anyway). A few "
                   "minutes on a CPU with the defaults; every option is checked before anything loads."),
+    "estimate": ("specfit.evaluation.estimate",
+                 "print the tok/s each method should reach, from the cost profile, before any decoding",
+                 "Estimate the decode tok/s of AR, EAGLE-3 and SpecFit on the embedded model from the calibrated cost "
+                 "profile (this machine's, else the reference shipped with specfit) and the drafter's acceptance "
+                 "tables, without loading or running the model: a cycle's time a(n) + beta * demand + miss * cold, "
+                 "its tokens 1 + the path values it verifies, under uniform routing (hit rate slots / experts unless "
+                 "--hit-rate). The demo's configuration by default. Then `specfit demo` measures them."),
     "make-fp8": ("specfit.embedded.fp8", "write the embedded model's block-wise FP8 variant to a folder",
                  "Quantize the embedded target's projections to e4m3 with a float32 weight_scale_inv per 8x16 block "
                  "(the hub's FP8 layout; router, norms and embeddings stay bf16). `specfit demo --fp8` and "

@@ -12,10 +12,11 @@ import re
 import tempfile
 from pathlib import Path
 
+from .offload.config_file import (  # noqa: F401  (experts_per_layer, read_config: the commands' checks use them)
+    EXPERT_FIELDS, MOE_EXAMPLES, architecture, experts_per_layer, read_config, zero_experts)
 from .selection.profile_files import TOKENIZER_FILES
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # owner/name (or a legacy bare name), as the hub spells ids
-EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # routed experts per layer
 
 
 def flag(name: str) -> str:
@@ -54,20 +55,6 @@ def folder(value: str, what: str, *, must_hold: str | None = None) -> Path:
     if must_hold and not (path / must_hold).is_file():
         raise ValueError(f"{what} {value!r} holds no {must_hold}: not a checkpoint folder")
     return path
-
-
-def read_config(path: Path, what: str, value: str) -> dict:
-    """A checkpoint's ``config.json`` at ``path``, refused by its path when it is not a JSON object."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise ValueError(f"{what} {value!r}: {path} is not a readable JSON file ({detail}); fetch the checkpoint "
-                         f"again, or mend that file") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{what} {value!r}: {path} holds a JSON {type(config).__name__}, not the object of a model "
-                         f"config")
-    return config
 
 
 def checkpoint_config(value: str, what: str = "--model", *, moe: bool = True) -> dict:
@@ -122,16 +109,6 @@ def drafter_source(value: str, what: str = "--drafter") -> None:
                                           "(owner/name)")
 
 
-def experts_per_layer(config: dict) -> int | None:
-    """Routed experts per MoE layer from a config dict (or its text config), None when it names none."""
-    for text in (config, config.get("text_config") or {}):
-        for name in EXPERT_FIELDS:
-            n = text.get(name)
-            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                return n
-    return None
-
-
 def writable(value: str, what: str, *, kind: str = "folder") -> Path:
     """An output path, checked before any work: ``kind`` 'folder' (made when missing) or 'file' (its folder made when
     missing). The nearest folder that exists on the way is tried with a scratch file, written and removed at once,
@@ -158,22 +135,17 @@ def writable(value: str, what: str, *, kind: str = "folder") -> Path:
     return path
 
 
-MOE_EXAMPLES = "Qwen3MoeForCausalLM, MixtralForCausalLM or GptOssForCausalLM"
-
-
 def moe_config(config: dict, value: str, what: str) -> int:
     """The routed experts per layer of a checkpoint's config; a model without them (none named, or 0) is refused as
     the Python API refuses it (``specfit.seam.layers.moe_layers``: "... has no MoE layers"), before any weight
     loads."""
     experts = experts_per_layer(config)
     if experts is None:
-        name = (config.get("architectures") or [config.get("model_type") or "the model"])[0]
-        zero = [f"{k}: {t[k]}" for t in (config, config.get("text_config") or {}) for k in EXPERT_FIELDS
-                if isinstance(t.get(k), int) and not isinstance(t.get(k), bool) and t[k] <= 0]
-        said = (f"its config.json names {zero[0]}, no routed expert" if zero else
+        zero = zero_experts(config)
+        said = (f"its config.json names {zero}, no routed expert" if zero else
                 f"its config.json names no routed experts: {', '.join(EXPERT_FIELDS[:3])}")
-        raise ValueError(f"{what} {value!r}: {name} has no MoE layers ({said}); SpecFit offloads the experts of "
-                         f"models such as {MOE_EXAMPLES}")
+        raise ValueError(f"{what} {value!r}: {architecture(config)} has no MoE layers ({said}); SpecFit offloads the "
+                         f"experts of models such as {MOE_EXAMPLES}")
     return experts
 
 

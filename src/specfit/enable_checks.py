@@ -149,9 +149,10 @@ def _check_weights_in_memory(model) -> None:
 def _check_experts(model, num_experts: int) -> None:
     """A model whose MoE blocks hold no routed expert (a config naming 0) has nothing to offload."""
     if num_experts < 1:
-        raise ValueError(f"{type(model).__name__} has no MoE layers (its MoE blocks hold {num_experts} routed experts); "
-                         f"SpecFit offloads the experts of models such as Qwen3MoeForCausalLM, MixtralForCausalLM or "
-                         f"GptOssForCausalLM")
+        from .offload.config_file import MOE_EXAMPLES
+
+        raise ValueError(f"{type(model).__name__} has no MoE layers (its MoE blocks hold {num_experts} routed "
+                         f"experts); SpecFit offloads the experts of models such as {MOE_EXAMPLES}")
 
 
 def _check_before_load(path_or_id, drafter) -> None:
@@ -159,20 +160,17 @@ def _check_before_load(path_or_id, drafter) -> None:
     ``config.json`` that is not JSON (named by its path) or names 0 routed experts ("has no MoE layers", as a model
     without routers is refused from its skeleton); and a drafter given by path or hub id that cannot be found
     (``drafting/checkpoint_files.locate``: a hub id is fetched now, the drafter's few files, before the target's)."""
-    from .cli_checks import EXPERT_FIELDS, MOE_EXAMPLES, read_config
+    from .offload.config_file import MOE_EXAMPLES, architecture, read_config, zero_experts
 
     where = "specfit.from_pretrained"
     local = Path(path_or_id).expanduser() if isinstance(path_or_id, (str, os.PathLike)) else None
     if local is not None and (local / "config.json").is_file():
         config = read_config(local / "config.json", where, str(path_or_id))
-        for text in (config, config.get("text_config") or {}):
-            zero = [k for k in EXPERT_FIELDS if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)
-                    and text[k] <= 0]
-            if zero:
-                name = (config.get("architectures") or [config.get("model_type") or "the model"])[0]
-                raise ValueError(f"{where} {str(path_or_id)!r}: {name} has no MoE layers (its config.json names "
-                                 f"{zero[0]}: {text[zero[0]]}, no routed expert); SpecFit offloads the experts of "
-                                 f"models such as {MOE_EXAMPLES}")
+        zero = zero_experts(config)
+        if zero:
+            raise ValueError(f"{where} {str(path_or_id)!r}: {architecture(config)} has no MoE layers (its "
+                             f"config.json names {zero}, no routed expert); SpecFit offloads the experts of models "
+                             f"such as {MOE_EXAMPLES}")
     if drafter is not None and not isinstance(drafter, torch.nn.Module):
         from .drafting.checkpoint_files import locate
 

@@ -83,8 +83,8 @@ def recheck_line(before: tuple[float, float] | None, after: tuple[float, float])
     """What ``specfit calibrate`` says after measuring the default link again: the new figure, the kept one it
     replaces, and where it is kept.
 
-    >>> recheck_line((2.5e-4, 0.034), (2.3e-4, 0.031)).split(" kept in ")[0]
-    'default link measured again: 0.230 ms per copy (one token's compute 31.00 ms; it was 0.250 ms, -8%),'
+    >>> print(recheck_line((2.5e-4, 0.034), (2.3e-4, 0.031)).split(" kept in ")[0])
+    default link measured again: 0.230 ms per copy (one token's compute 31.00 ms; it was 0.250 ms, -8%),
     """
     was = "" if before is None else f"; it was {before[0] * 1e3:.3f} ms, {after[0] / before[0] - 1:+.0%}"
     return (f"default link measured again: {after[0] * 1e3:.3f} ms per copy (one token's compute "

@@ -51,7 +51,8 @@ MAX_PROMPT_TOKENS = 450
 # --quick: one cell of the table, the demo's three methods, a few short prompts (each option only where not given)
 QUICK = dict(cnn_prompts=3, gsm8k_prompts=3, max_new_tokens=16, slots=["12"], regimes=["emulated"],
              methods=["ar", "eagle3", "specfit"])
-QUICK_SAID = ("3 prompts per workload (the first untimed)", "16 new tokens", "12 slots", "the emulated link only", "AR, EAGLE-3 and SpecFit")
+QUICK_SAID = ("3 prompts per workload (the first untimed)", "16 new tokens", "12 slots", "the emulated link only",
+              "AR, EAGLE-3 and SpecFit")
 
 
 def add_arguments(p) -> None:

@@ -190,23 +190,29 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     elif args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
         torch.set_num_threads(1)  # see --threads: the default that keeps the timer quiet on a shared CPU
-    if args.model is None or args.default_link:  # the structural default link is kept with the profile fitted here
-        from ..embedded import link_store, recheck_default_link
+    kept = ""
+    try:
+        if args.model is None or args.default_link:  # the structural default link is kept with the profile fitted here
+            from ..embedded import link_store, recheck_default_link
 
-        print(link_store.recheck_line(*recheck_default_link()), flush=True)
-    t0 = time.perf_counter()
-    model, tokenizer = _load(args)
-    print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
-    prompts = _prompt_ids(args, texts, tokenizer, model)
-    with tqdm(desc="calibration (planning round, then timed rounds)", unit="generate") as bar:
-        def progress(done, total):
-            bar.total = total
-            bar.n = done
-            bar.refresh()
+            print(link_store.recheck_line(*recheck_default_link()), flush=True)
+            kept = "; the default link measured again is kept"
+        t0 = time.perf_counter()
+        model, tokenizer = _load(args)
+        print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
+        prompts = _prompt_ids(args, texts, tokenizer, model)
+        with tqdm(desc="calibration (planning round, then timed rounds)", unit="generate") as bar:
+            def progress(done, total):
+                bar.total = total
+                bar.n = done
+                bar.refresh()
 
-        result = calibrate(model, prompts, probes=args.probes, repeats=args.repeats, seed=args.seed,
-                           max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress,
-                           lanes=_probe_lanes(args, model))
+            result = calibrate(model, prompts, probes=args.probes, repeats=args.repeats, seed=args.seed,
+                               max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress,
+                               lanes=_probe_lanes(args, model))
+    except KeyboardInterrupt:  # nothing half-fitted is installed: the profile in place (if any) stays as it was
+        where = args.out or "the user cache's profile for this model"
+        raise KeyboardInterrupt(f"before the fit: no profile installed ({where} unchanged){kept}") from None
     cost = result.cost
     from ..selection.profile_files import profile_path
 

@@ -157,7 +157,7 @@ def compare(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_token
     except Interrupted as stop:
         if stop.partial is None:
             raise KeyboardInterrupt from None
-        print(f"specfit.compare: {stop}", file=sys.stderr)
+        print(f"specfit.compare: interrupted (Ctrl-C) {stop}", file=sys.stderr)
         result = stop.partial
     table = result.table(as_frame)
     if plot:
@@ -172,8 +172,8 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, partial: "Comparison | None", total: int):
         done = 0 if partial is None else partial.prompts
         kept = "nothing to keep" if partial is None else f"the table holds those {done}"
-        super().__init__(f"interrupted (Ctrl-C) after {done} of {total} prompt{'s' if total != 1 else ''} "
-                         f"measured by every method: {kept}")
+        super().__init__(f"after {done} of {total} prompt{'s' if total != 1 else ''} measured by every method: "
+                         f"{kept}")
         self.partial, self.total = partial, total
 
 
