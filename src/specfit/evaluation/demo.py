@@ -141,7 +141,7 @@ def main(args) -> int:
     print(f"Where SpecFit pays: when expert copies are dear - few slots per layer (here {args.slots} of "
           f"{experts}) and a slow host link (here {args.link_ms:.3f} ms per copy) - it verifies only the draft nodes "
           f"worth the experts they bring in; with every expert resident or a free link it has nothing to save. "
-          f"Whether it copied fewer experts per token than EAGLE-3 here, each workload's verdict says.\n")
+          f"How many experts per token it copied here against EAGLE-3, each workload's verdict says.\n")
     if missing:
         print(missing + "\n")
     total = sum(len(prompts) for prompts in texts.values())
