@@ -64,6 +64,54 @@ def test_a_busy_moment_does_not_decide_the_measurement():
     assert disturbed < quiet * 1.5 + 0.001, (quiet, disturbed)
 
 
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class Timed(torch.nn.Module):
+    """A decoder whose parts take known times: layer i ``layer_seconds[i]``, the rest (embeddings, head)
+    ``rest_seconds``; ``hit(forward, part)`` adds 3 ms to a part of a forward (a busy moment)."""
+
+    def __init__(self, layer_seconds, rest_seconds, hit=lambda forward, part: False):
+        super().__init__()
+        self.config = tiny_moe().config
+        self.calls = 0
+        outer = self
+
+        class Layer(torch.nn.Module):
+            def __init__(self, i):
+                super().__init__()
+                self.i = i
+
+            def forward(self, x):
+                spin(layer_seconds[self.i] + (3e-3 if hit(outer.calls, self.i) else 0.0))
+                return x
+
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(Layer(i) for i in range(len(layer_seconds)))
+        self.rest_seconds, self.hit = rest_seconds, hit
+
+    def forward(self, ids, cache=None, use_cache=True):
+        self.calls += 1
+        spin(self.rest_seconds + (3e-3 if self.hit(self.calls, -1) else 0.0))
+        x = ids
+        for layer in self.model.layers:
+            x = layer(x)
+        return x
+
+
+def test_the_parts_add_up_to_a_forward_and_each_is_taken_at_its_fastest():
+    layers, rest = [1e-3, 2e-3, 1.5e-3], 1e-3
+    quiet = embedded.fastest_forward_seconds(Timed(layers, rest), IDS, forwards=12)
+    assert quiet == pytest.approx(sum(layers) + rest, rel=0.25)  # every layer once, and the rest
+    # busy: every forward has a part 3 ms slower, a different part each time, the rest included
+    hit = lambda forward, part: part == (forward % 4) - 1  # noqa: E731
+    busy = embedded.fastest_forward_seconds(Timed(layers, rest, hit), IDS, forwards=12)
+    assert busy == pytest.approx(sum(layers) + rest, rel=0.25), busy
+
+
 def test_every_part_counts_once():
     """The sum of the parts is a forward: not a layer left out, none counted twice (a model of twice the layers
     takes about twice as long), and the hooks are gone afterwards."""
