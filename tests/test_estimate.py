@@ -122,3 +122,14 @@ def test_the_examples_in_the_docstrings_hold():
 
     for module in (estimate, link_store, comparison_view, demo):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_specfit_drafts_only_the_levels_its_nodes_need():
+    wide = estimate.Shape(layers=4, experts=64, top_k=4)
+    cost = flat(intercept=0.03, levels=(0.002,) * 5)  # every level drafted costs 2 ms
+    specfit = next(r for r in estimate.estimate(cost, wide, RATES, hit_rate=1.0) if r["method"] == "specfit")
+    pool = estimate.draft_pool(RATES, 2, 5, 18)
+    n = specfit["nodes"]
+    assert 0 < n < 7 and specfit["levels"] == max(d for _, d in pool[:n]) < 5
+    demand = wide.layers * estimate.distinct_experts(n + 1, wide)
+    assert specfit["seconds_per_cycle"] == pytest.approx(0.03 - 0.002 * (5 - specfit["levels"]) + 1e-3 * demand)

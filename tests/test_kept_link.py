@@ -103,13 +103,13 @@ class Timed(torch.nn.Module):
 
 
 def test_the_parts_add_up_to_a_forward_and_each_is_taken_at_its_fastest():
-    layers, rest = [1e-3, 2e-3, 1.5e-3], 1e-3
+    layers, rest = [1e-3, 2e-3, 1.5e-3], 2.5e-3
     quiet = embedded.fastest_forward_seconds(Timed(layers, rest), IDS, forwards=12)
-    assert quiet == pytest.approx(sum(layers) + rest, rel=0.25)  # every layer once, and the rest
+    assert quiet == pytest.approx(sum(layers) + rest, rel=0.2)  # every layer once, and the rest
     # busy: every forward has a part 3 ms slower, a different part each time, the rest included
     hit = lambda forward, part: part == (forward % 4) - 1  # noqa: E731
     busy = embedded.fastest_forward_seconds(Timed(layers, rest, hit), IDS, forwards=12)
-    assert busy == pytest.approx(sum(layers) + rest, rel=0.25), busy
+    assert busy == pytest.approx(sum(layers) + rest, rel=0.2), busy
 
 
 def test_every_part_counts_once():
