@@ -67,10 +67,13 @@ SUBCOMMANDS = {
              "decode a few prompts with AR, EAGLE-3 and SpecFit on the embedded model and compare them",
              "Decode GSM8K and CNN/DailyMail prompts (or your own: --prompt TEXT) with the embedded model (a small "
              "Qwen3-MoE and its EAGLE-3 drafter, shipped with the package) three ways, AR, EAGLE-3 and SpecFit, on "
-             "the CPU with an emulated host link. Prints the text once (all three write the same tokens), a table of "
-             "tok/s, nodes verified per cycle, tokens per cycle and expert copies per token, and per workload the "
-             "verdict: SpecFit against the best other method with the prompt-to-prompt spread of this run. A few "
-             "minutes on a CPU; without the datasets it uses built-in prompts."),
+             "the CPU with an emulated host link and host lane, in specfit.embedded.demo_settings()'s configuration "
+             "(the README's and the notebook's; the header says where flags change it). Prints the text once (all "
+             "three write the same tokens), a table of tok/s, against AR and EAGLE-3, tokens per cycle and expert "
+             "copies per token (--wide: every column of specfit.compare), and per workload the verdict: SpecFit "
+             "against AR and EAGLE-3 with the prompt-to-prompt spread of this run, and its copies per token against "
+             "EAGLE-3's. A few minutes on a CPU; without the datasets it uses built-in prompts. Ctrl-C prints the "
+             "tables of the prompts finished."),
     "bench": ("specfit.evaluation.bench",
               "reproduce the paper's table on the embedded model (slot sweep, two link regimes)",
               "Reproduce the paper's table on the embedded model: AR, EAGLE-3 vanilla, EAGLE-3 and SpecFit (plus "
