@@ -71,7 +71,8 @@ def add_arguments(p) -> None:
                    help="expert slots per MoE layer on the device (default: 3/8 of the model's experts per layer, "
                         "the paper's 48 of 128: 24 for the embedded model's 64; with --acceptance-only, all of them)")
     p.add_argument("--cache-mode", choices=("cached", "cleared"), default="cached",
-                   help="'cached': slots keep experts across forwards (LRU); 'cleared': emptied before every forward")
+                   help="'cached': slots keep experts across forwards (by the slot cache's policy, 'forecast' by "
+                        "default); 'cleared': emptied before every forward")
     p.add_argument("--prompts", default=PROBES["prompts"],
                    help="gsm8k (default, as in the paper), cnn, random (token ids; for checkpoints without a "
                         "tokenizer), or a local .jsonl with a 'question' or 'text' field")
@@ -88,7 +89,8 @@ def add_arguments(p) -> None:
     p.add_argument("--link-ms", type=float, default=None, help="emulated host link: milliseconds per expert copy")
     p.add_argument("--default-link", type=float, nargs="?", const=1.0, default=None, metavar="RATIO",
                    help="the embedded model's structural default link (a token's expert copies = 1.4x its compute, "
-                        "measured here), times RATIO (default 1): what the demo and the bench use")
+                        "which this command measures again and keeps for the next runs), times RATIO (default 1): "
+                        "what the demo and the bench use")
     p.add_argument("--host-ratio", type=float, default=None, metavar="RATIO",
                    help="the probes' host-lane rounds (every cold expert computed on an emulated host lane, on a CPU): "
                         "the embedded model's structural default host lane at RATIO x the link's bandwidth (default "
