@@ -54,8 +54,11 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="decode your own prompt instead of the workloads (repeat for several)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt")
-    p.add_argument("--slots", type=int, default=12,
-                   help="expert slots per layer of 64 (12: where copies dominate, as in the paper's 24 of 128)")
+    from ..embedded import DEMO_SLOTS
+
+    p.add_argument("--slots", type=int, default=DEMO_SLOTS,
+                   help=f"expert slots per layer of 64 ({DEMO_SLOTS}: where copies dominate, as in the paper's 24 of "
+                        f"128)")
     p.add_argument("--link-ms", type=float, default=None,
                    help="emulated ms per expert copy (default: the structural default link, a token's full expert "
                         "demand at 1.4x its compute as on the paper's A100: measured on this machine's first run, "
