@@ -5,7 +5,6 @@ each command's ``check_arguments`` between parsing and ``main``)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re

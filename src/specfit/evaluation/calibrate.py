@@ -201,7 +201,8 @@ def main(args) -> int:
             kept = "; the default link measured again is kept"
         t0 = time.perf_counter()
         model, tokenizer = _load(args)
-        print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
+        # said before the probes' minutes
+        print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)
         prompts = _prompt_ids(args, texts, tokenizer, model)
         with tqdm(desc="calibration (planning round, then timed rounds)", unit="generate") as bar:
             def progress(done, total):

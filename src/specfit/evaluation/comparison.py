@@ -56,7 +56,8 @@ COLUMNS = {
     "prompts": "prompts measured",
 }
 
-ROUNDING = {"tok_s": 1, "tok_s_spread": 1, "speedup": 2, "nodes_per_cycle": 2, "tokens_per_cycle": 2, "copies_per_token": 2,
+ROUNDING = {"tok_s": 1, "tok_s_spread": 1, "speedup": 2, "nodes_per_cycle": 2, "tokens_per_cycle": 2,
+            "copies_per_token": 2,
             "mib_per_token": 2, "copy_wait_share": 3, "hit_rate": 3, "hits_per_token": 2, "host_per_token": 2,
             "host_wait_share": 3, "expected_over_committed": 2,
             "forecast_over_real": 2, "decode_tok_s": 1, "seconds": 3}

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from .. import cli_checks
 
-TREE = dict(topk=2, depth=5, pool_nodes=18, max_nodes=7)
-HIT_RATES = (0.9, 0.95, 0.99)  # --hit-rate's columns besides slots / experts  # the paper's pool and EAGLE-3's budget (DecodingOptions)
+TREE = dict(topk=2, depth=5, pool_nodes=18, max_nodes=7)  # the paper's pool and EAGLE-3's budget (DecodingOptions)
+HIT_RATES = (0.9, 0.95, 0.99)  # --hit-rate's columns besides slots / experts
 KEY_SHAPE = re.compile(r"\[(\d+)x(\d+)e top(\d+) ")  # a profile's model_key: '<name> [48x64e top4 h80 float32]'
 
 
@@ -203,7 +203,6 @@ def _embedded_config() -> dict:
 
 def main(args) -> int:
     from .. import embedded
-    from ..offload.link import LinkConfig
     from ..selection.acceptance_model import AcceptanceTables
     from ..selection.cost_model import CostModel
 
@@ -227,8 +226,8 @@ def main(args) -> int:
     print(f"\n* slots / experts: the hit rate if every token routed uniformly and independently. Real routing repeats "
           f"experts from token to token, so a run's hit rate is higher (the stats' hit_rate says which column "
           f"applies). SpecFit (n): the nodes it verifies per cycle. cold/tok: experts per token not in a slot (copied, "
-          f"or computed on the host lane where cheaper). Assumed besides: EAGLE-3 priced with SpecFit's drafting (its own is cheaper), greedy "
-          f"acceptance from the drafter's acceptance.json. Measure: specfit demo.")
+          f"or computed on the host lane where cheaper). Assumed besides: EAGLE-3 priced with SpecFit's drafting (its "
+          f"own is cheaper), greedy acceptance from the drafter's acceptance.json. Measure: specfit demo.")
     return 0
 
 
