@@ -6,6 +6,7 @@ import torch
 from conftest import SelfDrafter, tiny_moe
 
 import specfit
+from specfit.evaluation import comparison
 from specfit.selection.cost_model import CostModel
 
 COST = CostModel(intercepts=(1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35), beta=0.002, copy_overhead=0.008,
@@ -139,10 +140,15 @@ def test_compare_takes_a_batch():
     ids, mask = padded_batch(lengths=(5, 11))
     prompts = [ids[b][mask[b].bool()][None] for b in range(2)]
     model = enabled(ids, mask)
-    rows = specfit.compare(model, None, prompts, max_new_tokens=6, warmup=False, as_frame=False, batch=2)
+    result = comparison.run(model, None, prompts, max_new_tokens=6, warmup=False, batch=2)
+    rows = result.rows()
     assert [r["method"] for r in rows] == ["ar", "eagle3", "specfit"]
-    for row in rows:
-        assert row["new_tokens"] == 12 and row["tok_s"] == pytest.approx(12 / row["seconds"], rel=0.01)
+    for row in rows:  # like with like: the row's rounded tok/s against the unrounded wall clock it came from
+        seconds = result.seconds[row["method"]]
+        assert row["new_tokens"] == 12 and result.counters[row["method"]].new_tokens == 12
+        assert seconds > 0 and row["tok_s"] == round(12 / seconds, 1)
+    rows = specfit.compare(model, None, prompts, max_new_tokens=6, warmup=False, as_frame=False, batch=2)
+    assert [r["prompts"] for r in rows] == [2, 2, 2]
     with pytest.raises(ValueError, match="batch must be an integer >= 1"):
         specfit.compare(model, None, prompts, max_new_tokens=6, warmup=False, as_frame=False, batch=0)
 
