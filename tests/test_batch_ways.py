@@ -105,6 +105,27 @@ def test_a_batch_of_three_is_not_a_batch_of_one():
     assert 1 not in guards or sum(guards[1].cycles.values()) < total  # ... not the batch's guard of one row
 
 
+def test_a_guard_for_a_new_size_starts_from_what_the_nearest_size_learned():
+    """A row that leaves after the guard of three rows has compared the ways: the guard of two rows starts from that
+    comparison (no warm-up, no trials of its own) and learns on from its own clock."""
+    ids, mask = padded_batch()
+    free = expected_output(ids, mask, 30)[:, ids.shape[1]:]  # the new tokens
+    # row 1 ends at a token first seen late in it (after the first guard is warm) and not soon in the other rows
+    eos = next(int(free[1, k]) for k in range(12, 28) if int(free[1, k]) not in free[1, :k].tolist()
+               and int(free[1, k]) not in free[0, :k + 4].tolist() + free[2, :k + 4].tolist())
+    model = enabled()
+    model.specfit.stats.start_trace()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0, assistant="specfit")
+    assert torch.equal(out, expected_output(ids, mask, 30, eos_token_id=eos, pad_token_id=0))
+    guards = model.specfit.batch_guards[1]
+    assert guards[3].best() is not None and 2 in guards
+    two = guards[2]
+    assert two.warmed and two.best() is not None
+    first_of_two = next(r for r in model.specfit.stats.trace if len(r.row_nodes) == 2)
+    assert first_of_two.way == guards[3].best()  # the way three rows found best, from its first cycle
+
+
 def test_configure_gives_the_next_call_fresh_guards():
     """New options, new guards: the batch's and batch 1's, each counting the next call's cycles only."""
     ids, mask = padded_batch()

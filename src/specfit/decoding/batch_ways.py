@@ -11,7 +11,9 @@ A batch cycle of SpecFit rows runs one of three ways, as a cycle at batch 1 does
 The guard that chooses is a ``Guard`` per number of rows in flight (a batch of 4 is not a batch of 1, and a batch
 whose rows finish moves to the guard of its new size), kept on the runtime across calls and made anew when the
 options change. Its warm-up is shorter than batch 1's (``WARMUP``, ``TRIALS``): a batch cycle carries every row's
-tokens. ``guard=False`` runs SpecFit's way every cycle.
+tokens, and a short call cannot afford long exploration. A guard made for a new size starts from what the guard of
+the nearest size learned (``Guard.seeded``: a few cycles' worth of evidence, soon outweighed by its own clock).
+``guard=False`` runs SpecFit's way every cycle.
 
 Every cycle, whichever way it runs, is forecast by the batch cost model (``selection/batch_cost.py``) and its clock
 refreshes that model online (``selection/batch_refresh.py``, kept on the runtime across calls while the profile and
@@ -29,8 +31,8 @@ from .guard import Guard
 
 __all__ = ["BatchWays", "batch_guard", "batch_refresh", "WARMUP", "TRIALS"]
 
-WARMUP = 4  # cycles of SpecFit's way before a batch guard tries another
-TRIALS = 2  # cycles each other way runs before its rate is compared
+WARMUP = 2  # cycles of SpecFit's way before a batch guard tries another
+TRIALS = 1  # cycles each other way runs before its rate is compared
 
 
 def batch_guard(runtime, options, rows: int) -> Guard | None:
@@ -43,7 +45,10 @@ def batch_guard(runtime, options, rows: int) -> Guard | None:
         kept = runtime.batch_guards = (options, {})
     guards = kept[1]
     if rows not in guards:
-        guards[rows] = Guard(warmup=WARMUP, trials=TRIALS)
+        guard = Guard(warmup=WARMUP, trials=TRIALS)
+        if guards:  # what the nearest size learned, as a start (a batch whose rows finish changes size every cycle)
+            guard.seeded(guards[min(guards, key=lambda size: (abs(size - rows), size))])
+        guards[rows] = guard
     return guards[rows]
 
 
