@@ -275,6 +275,21 @@ def test_totals_since_start_and_the_stats_limit(served):
     assert missing.status_code == 404 and "last 1024" in missing.text
 
 
+def test_the_responses_endpoint_decodes_with_the_request_settings(served):
+    model, tokenizer, server, _ = served
+    body = {"model": "specfit", "input": QUESTIONS[4], "max_output_tokens": 6, "temperature": 0, "stream": False,
+            "assistant": "eagle3"}
+    answer = httpx.post(f"{server.url}/responses", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    data = answer.json()
+    assert data["specfit"]["method"] == "eagle3" and data["specfit"]["tokens"] == 6
+    assert data["output"][0]["content"][0]["text"] == reply_text(
+        tokenizer, alone(model, tokenizer, chat_prompt(tokenizer, QUESTIONS[4]), 6))
+    for bad, words in (({**body, "max_output_tokens": 0}, "max_output_tokens"), ({"model": "specfit"}, "input")):
+        refused = httpx.post(f"{server.url}/responses", json=bad, timeout=30)
+        assert refused.status_code == 400 and words in refused.text
+
+
 def test_models_lists_the_served_model_and_other_endpoints_answer_404(served):
     _, _, server, client = served
     assert [m.id for m in client.models.list().data] == ["specfit"]

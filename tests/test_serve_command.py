@@ -3,6 +3,7 @@ what would be right), --threads' default said in --help, and the command itself 
 emulated link of --link-ms ms per copy (read back from the totals) until Ctrl-C stops it cleanly."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -76,11 +77,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_command_serves_with_its_link_and_stops_on_ctrl_c():
+def test_the_command_serves_with_its_link_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
+    env = dict(os.environ, SPECFIT_CACHE=str(tmp_path))  # nothing of the user's cache read or written
     process = subprocess.Popen([sys.executable, "-m", "specfit.cli", "serve", "--host", "127.0.0.1", "--port",
                                 str(port), "--link-ms", "2", "--slots", "4", "--max-batch", "2"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 120
@@ -105,3 +107,23 @@ def test_the_command_serves_with_its_link_and_stops_on_ctrl_c():
             process.kill()
     assert process.returncode == 0, err
     assert "Traceback" not in err and "stopped" in out and "torch CPU threads: 1" in out
+
+
+def test_the_load_benchmark_runs_and_checks_its_answers(tmp_path):
+    """benchmarks/serve_load.py at the smallest settings (the load in a child interpreter, as it runs one per
+    transformers release): every answer checked against plain generate(), the figures labelled as an emulated
+    link on the CPU."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+    out = tmp_path / "load.json"
+    env = dict(os.environ, SPECFIT_CACHE=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(script), "--rounds", "0", "--clients", "2", "--requests", "1",
+                           "--max-tokens", "2", "--max-batch", "2", "--assistant", "none", "--link-ms", "0.05",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert "EMULATED host link (0.05 ms per copy)" in report["machine"] and "not GPU speed" in report["machine"]
+    (release, runs), = report["load"].items()
+    run = runs["max_batch=2 assistant=None"]
+    assert (run["responses"], run["distinct_ids"], run["wrong"]) == (2, 2, 0) and run["aggregate_tok_s"] > 0
