@@ -148,6 +148,20 @@ def test_a_sampled_stream_equals_the_reply_for_its_seed(served):
         assert usage.completion_tokens == reply.usage.completion_tokens and finish == reply.choices[0].finish_reason
 
 
+def test_stop_strings_cut_the_reply_and_finish_it(served):
+    model, tokenizer, _, client = served
+    greedy = reply_text(tokenizer, alone(model, tokenizer, chat_prompt(tokenizer, QUESTIONS[1]), 16))
+    stop = greedy.split()[1]  # the second word of the greedy answer
+    for stream in (False, True):
+        if stream:
+            text, _, finish, _ = streamed(client, QUESTIONS[1], max_tokens=16, temperature=0, stop=[stop])
+        else:
+            cut = ask(client, QUESTIONS[1], max_tokens=16, temperature=0, stop=[stop])
+            text, finish = cut.choices[0].message.content, cut.choices[0].finish_reason
+        assert text.endswith(stop) and greedy.startswith(text) and len(text) < len(greedy), (stream, text)
+        assert finish == "stop"
+
+
 def test_eight_clients_three_requests_each_get_the_answer_they_get_alone(served):
     model, tokenizer, server, _ = served
     lengths = (2, 3, 4)

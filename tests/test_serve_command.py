@@ -69,6 +69,8 @@ def test_build_app_refuses_bad_arguments_before_it_builds_anything():
                           ({}, "serve needs the model's tokenizer")):
         with pytest.raises(ValueError, match=words):
             build_app(None, None, **kwargs)
+    with pytest.raises(ValueError, match="needs a model enabled by SpecFit"):
+        build_app(object(), object())
 
 
 def free_port() -> int:

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from specfit import embedded  # noqa: E402
 from specfit.serving import Server, build_app  # noqa: E402
+from specfit.serving.templates import install_plain_template  # noqa: E402
 
 QUESTIONS = ["A class has 28 students. Half of them play football. How many play football?",
              "What is 7 times 8?", "Anna reads 12 pages a day. How many pages does she read in a week?",
@@ -27,7 +28,9 @@ QUESTIONS = ["A class has 28 students. Half of them play football. How many play
 @pytest.fixture(scope="module")
 def loaded():
     torch.set_num_threads(1)
-    return embedded.load(32)
+    model, tokenizer = embedded.load(32)
+    install_plain_template(tokenizer)  # as the server gives it (the tests read the prompts it renders)
+    return model, tokenizer
 
 
 @contextlib.contextmanager
@@ -144,7 +147,8 @@ def test_the_queue_limit_answers_429_and_a_client_leaving_mid_stream_frees_its_p
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_a_batched_row_that_ends_early_returns_tokens_through_its_end_token_only(loaded):
+@pytest.mark.parametrize("assistant", ["specfit", "none"])
+def test_a_batched_row_that_ends_early_returns_tokens_through_its_end_token_only(loaded, assistant):
     model, tokenizer = loaded
     expected = {}
     for question in QUESTIONS[:2]:  # question 1 ends (its end token) within 64 tokens, question 0 runs longer
@@ -158,7 +162,8 @@ def test_a_batched_row_that_ends_early_returns_tokens_through_its_end_token_only
     with serving(loaded, max_batch=4) as server:
         before = totals(server)
         with blocker(server):
-            futures = queued(server, [chat(q, temperature=0, max_tokens=64) for q in QUESTIONS[:2]])
+            futures = queued(server, [chat(q, temperature=0, max_tokens=64, assistant=assistant)
+                                      for q in QUESTIONS[:2]])
         answers = [f.result().json() for f in futures]
         after = totals(server)
     for question, answer in zip(QUESTIONS[:2], answers):
@@ -166,6 +171,7 @@ def test_a_batched_row_that_ends_early_returns_tokens_through_its_end_token_only
         assert answer["choices"][0]["message"]["content"] == tokenizer.decode(own, skip_special_tokens=True).strip()
         assert answer["usage"]["completion_tokens"] == len(own) == answer["specfit"]["tokens"]
         assert answer["specfit"]["batch"] == 2 and answer["specfit"]["call_tokens"] == sum(map(len, expected.values()))
+        assert answer["specfit"]["method"] == ("ar" if assistant == "none" else assistant)
     assert answers[1]["choices"][0]["finish_reason"] == "stop" and answers[0]["choices"][0]["finish_reason"] == "length"
     assert after["tokens"] - before["tokens"] == sum(map(len, expected.values()))  # padding is never counted
 

@@ -38,7 +38,7 @@ NOT_HONOURED = {
 HARMLESS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "echo": (False,), "presence_penalty": (0, 0.0),
             "response_format": ({"type": "text"},), "modalities": (["text"],), "tool_choice": ("auto",)}
 
-MAX_TOKEN_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"), "completion": ("max_tokens",),
+MAX_TOKEN_FIELDS = {"chat": ("max_completion_tokens", "max_tokens"),  # transformers' order: the first one given wins "completion": ("max_tokens",),
                     "response": ("max_output_tokens",)}
 
 

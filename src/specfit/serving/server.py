@@ -37,6 +37,9 @@ def build_app(model, tokenizer, *, name: str = DEFAULT_NAME, max_queue: int = DE
                          f"decoding)")
     if tokenizer is None:
         raise ValueError("serve needs the model's tokenizer (the checkpoint has none): pass tokenizer=")
+    if assistant is not None and getattr(model, "specfit", None) is None:
+        raise ValueError(f"assistant={assistant!r} needs a model enabled by SpecFit (specfit.enable or "
+                         f"specfit.from_pretrained); serve a plain model with assistant=None")
     install_plain_template(tokenizer)  # the embedded model has no chat template: a plain one (templates.py)
     engine = Engine(model, tokenizer, default_assistant=assistant, max_queue=max_queue, max_batch=max_batch)
     app = SEAM.build_app(engine, name)
