@@ -76,6 +76,12 @@ def test_spec_fit_fields_are_read_and_taken_out_of_the_body():
     for plain in (None, "none"):
         assert parse({**CHAT, "assistant": plain}, "chat", "specfit", KNOWN)[0].assistant is None
     assert parse(CHAT, "chat", "specfit", KNOWN)[0].max_tokens_field is None
+    both = {**CHAT, "max_tokens": 4, "max_completion_tokens": 9}  # transformers reads max_completion_tokens
+    assert parse(both, "chat", "specfit", KNOWN)[0].max_tokens_field == "max_completion_tokens"
+    prompt = {"model": "specfit", "prompt": "a", "max_tokens": 3}
+    assert parse(prompt, "completion", "specfit", KNOWN)[0].max_tokens_field == "max_tokens"
+    assert parse({"model": "specfit", "input": "a", "max_output_tokens": 3}, "response", "specfit",
+                 KNOWN)[0].max_tokens_field == "max_output_tokens"
 
 
 def test_sampling_fields_sample_and_temperature_zero_is_greedy():

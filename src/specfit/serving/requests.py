@@ -38,7 +38,8 @@ NOT_HONOURED = {
 HARMLESS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "echo": (False,), "presence_penalty": (0, 0.0),
             "response_format": ({"type": "text"},), "modalities": (["text"],), "tool_choice": ("auto",)}
 
-MAX_TOKEN_FIELDS = {"chat": ("max_completion_tokens", "max_tokens"),  # transformers' order: the first one given wins "completion": ("max_tokens",),
+# the length fields of each endpoint, in transformers' order: the first one given is the one it reads
+MAX_TOKEN_FIELDS = {"chat": ("max_completion_tokens", "max_tokens"), "completion": ("max_tokens",),
                     "response": ("max_output_tokens",)}
 
 
