@@ -7,7 +7,8 @@ figure is labelled so: not GPU speed).
 2. CLIENTS concurrent clients x REQUESTS requests each (default 8 x 3, greedy), for every --max-batch value and
    --assistant, each in a fresh server of its own process, once per --python interpreter (e.g. a transformers 5.25
    venv and a 5.24 one), the interpreters taking turns (their order rotating) --load-rounds times: p50 / p95
-   latency, aggregate tok/s (completion tokens / wall clock of the whole load), the batch sizes the calls ran at,
+   latency, aggregate tok/s (completion tokens / wall clock of the whole load; per turn too), tokens per CPU second
+   of the process (less noisy than the clock on a shared machine), the batch sizes the calls ran at,
    every answer checked against plain greedy generate(), none lost or crossed.
 
     python benchmarks/serve_load.py [--slots 12] [--max-tokens 32] [--link-ms MS] [--rounds 2] [--max-batch 1 4]
@@ -130,14 +131,14 @@ def load(args):
         for assistant in args.assistant:
             server = Server(build_app(model, tokenizer, max_batch=n, assistant=assistant), host="127.0.0.1",
                             port=0).start()
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
                 results = [r for rs in pool.map(lambda q: client_run(server.url, q), questions) for r in rs]
-            seconds = time.perf_counter() - t
+            seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
             server.stop()
             runs[f"max_batch={n} assistant={assistant}"] = {"results": [[r[0], r[1] == expected[r[0]], r[2], r[3],
                                                                          r[4], r[5]] for r in results],
-                                                            "seconds": seconds}
+                                                            "seconds": seconds, "cpu_seconds": cpu}
     print(json.dumps({"transformers": transformers.__version__, "runs": runs}))
 
 
@@ -156,11 +157,16 @@ def child(python: str, args) -> dict:
 def summary(runs: list[dict]) -> dict:
     results = [r for run in runs for r in run["results"]]
     seconds = sum(run["seconds"] for run in runs)
+    cpu = sum(run["cpu_seconds"] for run in runs)
+    tokens = sum(r[4] for r in results)
     latencies = [r[3] for r in results]
     return {"responses": len(results), "distinct_ids": len({r[2] for r in results}),
             "wrong": sum(not r[1] for r in results), "latency_p50_s": round(statistics.median(latencies), 2),
             "latency_p95_s": round(percentile(latencies, .95), 2), "wall_s": round(seconds, 2),
-            "aggregate_tok_s": round(sum(r[4] for r in results) / seconds, 2),
+            "aggregate_tok_s": round(tokens / seconds, 2),
+            # the process's CPU time (server, engine and clients): on a shared machine less noisy than the clock
+            "cpu_s": round(cpu, 2), "tokens_per_cpu_second": round(tokens / cpu, 2),
+            "per_turn_tok_s": [round(sum(r[4] for r in run["results"]) / run["seconds"], 2) for run in runs],
             "requests_by_batch_size": {str(b): sum(r[5] == b for r in results)
                                        for b in sorted({r[5] for r in results})}}
 
