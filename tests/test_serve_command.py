@@ -112,7 +112,7 @@ def test_the_command_serves_with_its_link_and_stops_on_ctrl_c(tmp_path):
 
 
 def test_the_load_benchmark_runs_and_checks_its_answers(tmp_path):
-    """benchmarks/serve_load.py at the smallest settings (the load in a child interpreter, as it runs one per
+    """benchmarks/serve_load.py at the smallest settings (the server in a child interpreter, as it runs one per
     transformers release): every answer checked against plain generate(), the figures labelled as an emulated
     link on the CPU."""
     from pathlib import Path
@@ -127,5 +127,6 @@ def test_the_load_benchmark_runs_and_checks_its_answers(tmp_path):
     report = json.loads(out.read_text())
     assert "EMULATED host link (0.05 ms per copy)" in report["machine"] and "not GPU speed" in report["machine"]
     (release, runs), = report["load"].items()
-    run = runs["max_batch=2 assistant=None"]
+    run = runs["max_batch=2 assistant=none"]
     assert (run["responses"], run["distinct_ids"], run["wrong"]) == (2, 2, 0) and run["aggregate_tok_s"] > 0
+    assert run["tokens_per_server_cpu_second"] > 0 and len(run["per_turn_tok_s"]) == 1
