@@ -37,7 +37,10 @@ def add_arguments(p) -> None:
                         "N rows (1: each request alone)")
     p.add_argument("--host", default="localhost", help="server listen address")
     p.add_argument("--port", type=int, default=8000, help="server listen port")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the embedded model)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads, the host lane's included (default: 1 for the embedded model, which runs "
+                        "on the CPU and is fastest on one; for any other model, as when it runs on an accelerator, "
+                        "every core the machine gives this process)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log level (uvicorn and transformers)")
 
@@ -61,8 +64,8 @@ def check_arguments(args) -> None:
     experts = cli_checks.experts_per_layer(config)
     if args.slots is not None and experts is not None and args.slots > experts:
         raise ValueError(f"--slots must be in 1..{experts} (the model's experts per MoE layer), got {args.slots}")
-    if args.slots is None and experts is None:
-        raise ValueError("cannot tell the model's experts per MoE layer from its config; pass --slots N")
+    if experts is None:  # a dense model: nothing to offload (refused as the Python API refuses it)
+        cli_checks.moe_config(config, args.model, "--model")
     if args.drafter is not None:
         if Path(args.drafter).expanduser().exists():
             cli_checks.folder(args.drafter, "--drafter", must_hold="config.json")
@@ -106,12 +109,30 @@ def load(args):
     return model, AutoTokenizer.from_pretrained(args.model)
 
 
+def default_threads(embedded_model: bool, cores: int) -> int:
+    """``--threads`` unless given: 1 for the embedded model, which runs on the CPU and is fastest on one (its
+    matrices are so small that more threads only add synchronisation); every core the machine gives this process for
+    any other model (on an accelerator its host lane computes cold experts on these threads).
+
+    >>> default_threads(True, 16), default_threads(False, 16)
+    (1, 16)
+    """
+    return 1 if embedded_model else max(1, cores)
+
+
+def machine_cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def main(args) -> int:
     import torch
 
     from .server import serve
 
-    torch.set_num_threads(args.threads)
+    threads = args.threads if args.threads is not None else default_threads(args.model is None, machine_cores())
+    torch.set_num_threads(threads)  # before loading: the embedded model's default link is measured at this count
     try:
         model, tokenizer = load(args)
     except KeyboardInterrupt:
@@ -121,7 +142,7 @@ def main(args) -> int:
     shown = "localhost" if args.host in ("localhost", "127.0.0.1") else args.host
     print(f"specfit serve: {args.name!r} on http://{shown}:{args.port}/v1 (OpenAI-compatible; requests decoded "
           f"with assistant={assistant!r} unless they ask otherwise; non-streaming requests that wait together "
-          f"share calls of up to {args.max_batch}; Ctrl-C stops)", flush=True)
+          f"share calls of up to {args.max_batch}; torch CPU threads: {threads}; Ctrl-C stops)", flush=True)
     serve(model, tokenizer, host=args.host, port=args.port, name=args.name, max_queue=args.max_queue,
           assistant=assistant, log_level=args.log_level, max_batch=args.max_batch)
     print("specfit serve: stopped", flush=True)

@@ -1,6 +1,6 @@
-"""``specfit.serve``: transformers' FastAPI app (``transformers.cli.serving.server.build_server``) around a
-SpecFit-enabled model, run by uvicorn. ``build_app`` makes the app; ``Server`` runs it on a thread (tests, notebooks,
-benchmarks); ``serve`` runs it in the foreground until Ctrl-C."""
+"""``specfit.serve``: transformers' FastAPI app (``transformers serve``, 5.24 or 5.25: ``seam.py`` chooses) around a
+SpecFit-enabled model and SpecFit's engine (``engine.py``), run by uvicorn. ``build_app`` makes the app; ``Server``
+runs it on a thread (tests, notebooks, benchmarks); ``serve`` runs it in the foreground until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -15,43 +15,48 @@ DEFAULT_MAX_BATCH = 4  # rows per generate() call for requests that wait togethe
 def build_app(model, tokenizer, *, name: str = DEFAULT_NAME, max_queue: int = DEFAULT_MAX_QUEUE,
               assistant: str | None = "specfit", max_batch: int = DEFAULT_MAX_BATCH):
     """The OpenAI-compatible app serving ``model`` (enabled by SpecFit) as ``name``: /v1/chat/completions,
-    /v1/completions, /v1/models, /health, and GET /v1/specfit/stats/{id} (the SpecFit counters of a request, by its
-    response id). Every request is decoded with ``assistant`` unless it sets the field ``assistant`` itself.
-    Non-streaming, unseeded requests with equal settings that wait for the model together run as one batch of up to
-    ``max_batch`` rows (1: every request alone)."""
+    /v1/completions, /v1/responses, /v1/models, /health; GET /v1/specfit/stats (totals since start) and
+    GET /v1/specfit/stats/{id} (the SpecFit counters of a request, by its response id). Every request is decoded with
+    ``assistant`` ("specfit", "eagle3", or None / "none": plain decoding) unless it sets the field ``assistant``
+    itself. Non-streaming, unseeded requests with equal settings that wait for the model together run as one batch
+    of up to ``max_batch`` rows (1: every request alone)."""
     from fastapi import HTTPException
-    from transformers.cli.serving.response import ResponseHandler
-    from transformers.cli.serving.server import build_server
 
-    from .seam import PLAIN_RESPONSE, PLAIN_TEMPLATE, PinnedModels, SpecFitChat, SpecFitCompletion, SpecFitGenerateManager, \
-        SpecFitGeneration
+    from ..decoding.assistants import ASSISTANTS
+    from .admission import Queue
+    from .batching import Lines
+    from .engine import Engine
+    from .ledger import STATS_KEPT
+    from .seam import SEAM
+    from .templates import install_plain_template
 
-    if max_queue < 1:
-        raise ValueError(f"max_queue must be >= 1 (requests running or waiting at once), got {max_queue}")
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be an integer >= 1 (rows per generate() call; 1: no batching), got "
-                         f"{max_batch!r}")
+    Queue(max_queue), Lines(max_batch)  # their checks, before anything is built
+    assistant = None if assistant == "none" else assistant
+    if assistant is not None and assistant not in ASSISTANTS:
+        raise ValueError(f"assistant {assistant!r} is not one of {sorted(ASSISTANTS)} (or None / 'none': plain "
+                         f"decoding)")
     if tokenizer is None:
         raise ValueError("serve needs the model's tokenizer (the checkpoint has none): pass tokenizer=")
-    if getattr(tokenizer, "chat_template", None) is None:  # the embedded model has none: a plain one (seam.py)
-        tokenizer.chat_template, tokenizer.response_template = PLAIN_TEMPLATE, PLAIN_RESPONSE
-    models = PinnedModels(name, model, tokenizer)
-    manager = SpecFitGenerateManager(model, max_queue=max_queue, default_assistant=assistant,
-                                     max_batch=max_batch)
-    state = SpecFitGeneration(manager)
-    app = build_server(models, SpecFitChat(models, state), SpecFitCompletion(models, state),
-                       ResponseHandler(models, state), transcription_handler=None, systemone_handler=None,
-                       generation_state=state)
+    if assistant is not None and getattr(model, "specfit", None) is None:
+        raise ValueError(f"assistant={assistant!r} needs a model enabled by SpecFit (specfit.enable or "
+                         f"specfit.from_pretrained); serve a plain model with assistant=None")
+    install_plain_template(tokenizer)  # the embedded model has no chat template: a plain one (templates.py)
+    engine = Engine(model, tokenizer, default_assistant=assistant, max_queue=max_queue, max_batch=max_batch)
+    app = SEAM.build_app(engine, name)
+
+    @app.get("/v1/specfit/stats")
+    def totals():
+        return engine.summary()
 
     @app.get("/v1/specfit/stats/{request_id}")
     def request_stats(request_id: str):
-        stats = manager.stats.get(request_id)
+        stats = engine.ledger.get(request_id)
         if stats is None:
-            raise HTTPException(status_code=404, detail=f"no finished request {request_id!r} (the last "
-                                                        f"{len(manager.stats)} are kept)")
+            raise HTTPException(status_code=404, detail=f"no finished request {request_id!r} (the counters of the "
+                                                        f"last {STATS_KEPT} finished requests are kept)")
         return stats
 
-    app.state.specfit_manager = manager
+    app.state.specfit_engine = engine
     return app
 
 
@@ -85,6 +90,13 @@ class Server:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        _close(self.config.app)
+
+
+def _close(app) -> None:
+    engine = getattr(app.state, "specfit_engine", None)
+    if engine is not None:
+        engine.close()
 
 
 def serve(model, tokenizer, *, host: str = "localhost", port: int = 8000, name: str = DEFAULT_NAME,
@@ -106,4 +118,6 @@ def serve(model, tokenizer, *, host: str = "localhost", port: int = 8000, name: 
         server.run()  # uvicorn turns SIGINT / SIGTERM into a graceful shutdown
     except KeyboardInterrupt:
         pass
+    finally:
+        _close(app)
     return None
