@@ -8,7 +8,8 @@ Per cell, fresh instances of each method (each its own model, so caches and guar
 warm-up call each, then ``--groups`` left-padded batches of held-out prompts (GSM8K and CNN/DailyMail test items
 from ``--offset`` on; MT-Bench and HumanEval prompts the drafter never saw), whole generate() calls taking turns
 with the order rotating batch by batch; every row's greedy tokens checked identical across methods. Reported per
-cell: aggregate tok/s (all rows' new tokens over the calls' wall clock, prefill and everything included), cold
+cell: aggregate tok/s (all rows' new tokens, each through its first end token, over the calls' wall clock, prefill
+and everything included), cold
 experts (copies + host experts) per committed token, SpecFit's ways and its forecast over the clock. CPU with the
 emulated default link (and host lane, ``--lanes host``; ``copy``: every cold expert copied): not GPU speed.
 """
@@ -52,6 +53,9 @@ def cell(workload: str, batch: int, slots: int, lane: str, groups: int, tokens: 
                        **sampling)
     seconds = {m: 0.0 for m in METHODS}
     counters = {m: Counters() for m in METHODS}
+    tokens_out = {m: 0 for m in METHODS}  # every row's new tokens through its first end token: padding never counts
+    eos = models["ar"].generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     for g, (ids, mask) in enumerate(calls):
         outputs = {}
         for k in range(len(METHODS)):
@@ -64,10 +68,11 @@ def cell(workload: str, batch: int, slots: int, lane: str, groups: int, tokens: 
             seconds[method] += time.perf_counter() - started
             counters[method] += models[method].specfit.stats.last_generate
             outputs[method] = out
+            tokens_out[method] += real_tokens(out[:, ids.shape[1]:], eos)
         if sample_seed is None and any(not torch.equal(outputs[m], outputs["ar"]) for m in METHODS):
             raise AssertionError(f"{workload} batch {g}: greedy rows differ across methods (lossless broken)")
-    tok_s = {m: counters[m].new_tokens / seconds[m] for m in METHODS}
-    cold = {m: (counters[m].misses + counters[m].host_experts) / max(counters[m].new_tokens, 1) for m in METHODS}
+    tok_s = {m: tokens_out[m] / seconds[m] for m in METHODS}
+    cold = {m: (counters[m].misses + counters[m].host_experts) / max(tokens_out[m], 1) for m in METHODS}
     sf = counters["specfit"]
     best = max(tok_s["ar"], tok_s["eagle3"])
     return {"workload": workload, "batch": batch, "slots": slots, "lane": lane, "groups": len(calls),
@@ -78,6 +83,15 @@ def cell(workload: str, batch: int, slots: int, lane: str, groups: int, tokens: 
             "nodes_per_row_cycle": {m: counters[m].nodes_verified / max(counters[m].batch_row_cycles or
                                                                            counters[m].cycles, 1)
                                     for m in ("eagle3", "specfit")}}
+
+
+def real_tokens(new: torch.Tensor, eos: set[int]) -> int:
+    """New tokens of a batch's rows ([B, N]), each through its first end token (a row that stopped early is padded
+    after it, and padding is no token a user reads)."""
+    total = 0
+    for row in new.tolist():
+        total += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+    return total
 
 
 def line(r: dict) -> str:
