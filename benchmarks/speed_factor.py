@@ -43,6 +43,7 @@ def measure(preset: str = "tiny", dtype: str = "bfloat16", forwards: int = 24) -
     model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype)).eval()
     model = specfit.enable(model, cache_slots=12)
     ids = torch.randint(2, config.vocab_size, (1, forwards + 4), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)  # the stand-in's device (a GPU's, on CUDA): a forward takes its inputs there
     times = []
     with torch.no_grad():
         for i in range(ids.shape[1]):

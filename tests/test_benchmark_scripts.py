@@ -207,8 +207,8 @@ def test_gpu_check_arguments(tmp_path):
 
 
 def test_gpu_check_dry_run_writes_the_plan_to_one_log(tmp_path):
-    """Issue 39, 3: both parts in one call inside the 600 s command limit, start-up priced at 150 s, and a rerun of
-    the longer part inside 15 device-minutes even after a fresh start."""
+    """Issue 39, 3 and issue 52, 3: the three parts in one call inside the 600 s command limit, start-up priced at
+    150 s, and a rerun of part 3 (the part most likely to fail) inside 12 device-minutes."""
     out = tmp_path / "out"
     dry = run(GPU_CHECK + ["--dry-run"], OUT=str(out))  # the folder from $OUT
     assert dry.returncode == 0, dry.stderr
@@ -217,35 +217,39 @@ def test_gpu_check_dry_run_writes_the_plan_to_one_log(tmp_path):
     for expected in ("pytest -m cuda tests/test_cuda.py", "--preset qwen3-30b-a3b --layers 6",
                      "--slots 48 --cache-mode cached", "decode_check.py", "benchmarks/host_expert_check.py",
                      "--profile " + str(out / "profile-cached.json"), "--reference --require-pinned --require-grouped",
-                     "part 1 (env pytest bandwidth host-experts): 195s; part 2 (env checkpoint calibrate decode): 215s",
-                     "this call (part 1+2): 370s of the 600s a command may run: fits; with start-up 520s "
-                     "(8.7 device-minutes); run it with timeout_s 600",
-                     "one rerun of the longer part (part 2, 215s): at once on the warm machine 735s (12.2 "
-                     "device-minutes), margin 165s; after a fresh start 885s (14.8 device-minutes), margin 15s of the "
-                     "900s: fits"):
+                     "part 1 (env pytest bandwidth host-experts): 195s; part 2 (env checkpoint calibrate decode): "
+                     "215s; part 3 (env users): 115s",
+                     "this call (part 1+2+3): 445s of the 600s a command may run: fits; with start-up 595s "
+                     "(9.9 device-minutes); run it with timeout_s 600",
+                     "with one rerun of part 3 (the part most likely to fail, 115s) at once on the warm machine: "
+                     "710s (11.8 device-minutes) of the plan's 720s, margin 10s: fits; after a fresh start 860s "
+                     "(14.3 device-minutes) of the 900s: fits", "gpu_stages.py users --tokens 16 --log", "--lane-seconds 25",
+                     "gpu_stages.py bandwidth"):
         assert expected in log, expected
     # calibrate: a verdict to report, not a gate; enough records; no plot
-    assert "--probes 48 --max-new-tokens 48" in log and "--plot none --force" in log
+    assert "--probes 48 --max-new-tokens 48" in log and "--plot none --lane-seconds 25 --force" in log
     assert "--cache-mode cleared" not in log  # one profile prices every cache mode: calibrate runs once
 
 
 @pytest.mark.parametrize("part, stages, absent", [
     ("1", ("pytest -m cuda", "bandwidth 25", "host_expert_check.py"), "decode_check.py"),
-    ("2", ("synthetic_checkpoint.py", "decode_check.py"), "pytest -m")])
+    ("2", ("synthetic_checkpoint.py", "decode_check.py"), "pytest -m"),
+    ("3", ("users 75", "gpu_stages.py users"), "decode_check.py")])
 def test_gpu_check_parts_plan_their_own_stages(tmp_path, part, stages, absent):
     dry = run(GPU_CHECK + ["--dry-run", "--part", part, str(tmp_path)])
     assert dry.returncode == 0, dry.stderr
     log = (tmp_path / f"gpu_check-part{part}.log").read_text()
     assert all(s in log for s in stages) and absent not in log.split("dry run: the stages")[1]
-    assert "run the other at once after it, inside the warm window" in log
+    assert "run the others at once after it, inside the warm window" in log
 
 
 def test_gpu_check_dry_run_fails_when_the_plan_would_not_fit(tmp_path):
-    short = run(GPU_CHECK + ["--dry-run", str(tmp_path)], COMMAND_LIMIT="300")  # both parts need 370 s
-    assert short.returncode == 1 and "370s of the 300s a command may run: OVER" in short.stdout
-    slow_start = run(GPU_CHECK + ["--dry-run", str(tmp_path)], STARTUP="160")  # the cold rerun: 905 s
-    assert slow_start.returncode == 1 and "margin -5s of the 900s: OVER: leave a stage to the next run" in slow_start.stdout
-    assert run(GPU_CHECK + ["--part", "3", str(tmp_path)]).returncode == 2
+    short = run(GPU_CHECK + ["--dry-run", str(tmp_path)], COMMAND_LIMIT="300")  # the three parts need 445 s
+    assert short.returncode == 1 and "445s of the 300s a command may run: OVER" in short.stdout
+    slow_start = run(GPU_CHECK + ["--dry-run", str(tmp_path)], STARTUP="161")  # with the rerun: 721 s
+    assert slow_start.returncode == 1 and "of the plan's 720s, margin -1s: OVER: leave a stage" in slow_start.stdout
+    assert run(GPU_CHECK + ["--dry-run", str(tmp_path)], STARTUP="160").returncode == 0  # 720 s: just fits
+    assert run(GPU_CHECK + ["--part", "4", str(tmp_path)]).returncode == 2
 
 
 def test_cycle_profile_parts_add_up(tmp_path):

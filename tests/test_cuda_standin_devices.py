@@ -76,6 +76,9 @@ def test_an_enabled_model_computes_on_the_device_and_refuses_host_inputs_to_a_fo
     rt = model.specfit
     assert rt.store.arenas[0].device.type == "cpu"  # the experts stay in host memory
     assert rt.layers[0].cache.slots.device == model.device  # the slots on the device
+    routes = rt.routes.last  # recorded on the device, read on the host
+    assert routes.device.type == "cpu" and routes.shape == (ids.shape[1], len(rt.layers), rt.num_experts)
+    assert rt.routes.packed().shape == (ids.shape[1], len(rt.layers), rt.num_experts // 8)
 
 
 def _prompts(tokenizer, n=2):
@@ -112,3 +115,19 @@ def test_seeded_sampling_draws_on_the_device(embedded_model):
         torch.manual_seed(5)
         outs.append(model.generate(ids, max_new_tokens=6, do_sample=True, temperature=0.8, assistant="specfit"))
     assert outs[0].device.type == "cpu" and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("loop", ["decode_batch", "decode"])
+def test_host_ids_reaching_specfits_loop_fail_as_on_cuda(embedded_model, monkeypatch, loop):
+    """The defect of review 7 item 1 planted back: SpecFit's loop handed the ids where they came from (the host),
+    without the move transformers' own loop makes. The stand-in raises CUDA's device mismatch."""
+    from specfit.decoding import strategy
+
+    model, tokenizer = embedded_model
+    real = getattr(strategy, loop)
+    monkeypatch.setattr(strategy, loop, lambda m, request, ids, *a, **k: real(m, request, ids.cpu(), *a, **k))
+    prompts = _prompts(tokenizer)
+    (ids, mask), = left_padded(prompts, 2, pad_id(model))
+    args = (ids, mask) if loop == "decode_batch" else (prompts[0], None)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        model.generate(args[0], attention_mask=args[1], max_new_tokens=4, do_sample=False, assistant="specfit")

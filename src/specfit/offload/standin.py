@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -227,10 +228,29 @@ class HostCopies:
     def __init__(self, device: torch.device = torch.device("cpu")):
         self.device = device
         self.buffers = self.copies = 0
+        self._pinned: dict[int, weakref.ref] = {}  # storage pointer -> the buffer made there, while it lives
 
     def pinned_like(self, t: torch.Tensor) -> torch.Tensor:
         self.buffers += 1
-        return torch.empty(t.shape, dtype=t.dtype)
+        buffer = torch.empty(t.shape, dtype=t.dtype)
+        self._pinned = {p: r for p, r in self._pinned.items() if r() is not None}
+        self._pinned[buffer.untyped_storage().data_ptr()] = weakref.ref(buffer)
+        return buffer
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Made by ``pinned_like`` (a CPU cannot page-lock: the double keeps the books), or registered by a store
+        and not released since."""
+        ptr = raw(t).untyped_storage().data_ptr()
+        made = self._pinned.get(ptr)
+        if made is not None and made() is not None:
+            return True
+        registered: dict[int, int] = {}
+        for kind, start, n in LEDGER:
+            if kind == "register":
+                registered[start] = n
+            else:
+                registered.pop(start, None)
+        return any(start <= ptr < start + n for start, n in registered.items())
 
     def to_device(self, pinned: torch.Tensor) -> torch.Tensor:
         self.copies += 1

@@ -11,7 +11,11 @@ and every operation on them checks placement as CUDA does:
   CPU scalars, and so are host index tensors in indexing (``x[idx]``, ``x[idx] = v``), as CUDA moves them;
 - moves are the copies: ``.to(device)``, ``.cpu()``, ``copy_`` between the sides;
 - ``.numpy()`` on a device tensor raises (``Use Tensor.cpu() ...``), ``.tolist()`` and ``.item()`` read it;
-- random draws on device tensors refuse a host generator (``generator(device)`` makes one for the device).
+- random draws on device tensors refuse a host generator (``generator(device)`` makes one for the device);
+- ``set_sync_debug_mode("warn")`` (this module stands in for ``torch.cuda`` where a check calls it: ``cuda_calls``)
+  warns "called a synchronizing CUDA operation" where CUDA's debug mode does: a device tensor read on the host
+  (``.item()``, ``.tolist()``, ``.cpu()``, a blocking copy to a host tensor) and ops whose output size is read from
+  the device (``nonzero``, ``masked_select``, ``unique``, ``equal``).
 
 Nothing else changes: values, dtypes, shapes, strides and views are the CPU's. It costs a Python call per operation,
 so only the stand-in's tests use it (a model enabled without the stand-in never meets it).
@@ -20,6 +24,7 @@ so only the stand-in's tests use it (a model enabled without the stand-in never 
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 
 import torch
@@ -36,6 +41,9 @@ _MOVES = frozenset({"aten::copy_", "aten::_to_copy", "aten::_copy_from", "aten::
 # listed whole, as a wrapper's shape is fixed when it is made)
 _FACTORIES = ("empty.memory_format", "empty_strided", "arange", "arange.start", "arange.start_step", "linspace",
               "logspace", "randperm", "range.step", "eye", "eye.m", "tril_indices", "triu_indices", "scalar_tensor")
+# ops that read the device on the host (CUDA's sync debug mode reports them); copies to the host are added by kind
+_SYNCING = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+                      "aten::unique_consecutive", "aten::unique_dim", "aten::equal", "aten::is_nonzero"})
 # indexing: host index tensors are allowed (CUDA moves them), the indexed tensor and the values must be on the device
 _INDEXING = frozenset({"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"})
 
@@ -60,6 +68,44 @@ def register() -> torch.device:
     DOUBLES[NAME] = lambda device: Copies(Streams(), device)  # a staging ring made for the device: CUDA's flow
     GENERATORS[NAME] = generator
     return _state["device"]
+
+
+def cuda_calls(device):
+    """What stands in for ``torch.cuda`` for a check on ``device``: this module on the stand-in's device (its
+    ``synchronize``, ``set_sync_debug_mode``, ``get_device_name``), else ``torch.cuda``."""
+    import sys
+
+    return sys.modules[__name__] if is_device(device) else torch.cuda
+
+
+def set_sync_debug_mode(mode) -> None:
+    """As ``torch.cuda.set_sync_debug_mode``: "default" (0), "warn" (1) or "error" (2)."""
+    names = {0: "default", 1: "warn", 2: "error"}
+    mode = names.get(mode, mode)
+    if mode not in names.values():
+        raise RuntimeError(f"invalid value of debug_mode, expected one of 0, 1, 2, got {mode!r}")
+    _state["debug"] = None if mode == "default" else mode
+
+
+def get_sync_debug_mode() -> int:
+    return {None: 0, "warn": 1, "error": 2}[_state.get("debug")]
+
+
+def synchronize(device=None) -> None:
+    """Work on the stand-in's device runs as it is issued (copies queued on the doubles' streams are run by their
+    own waits)."""
+
+
+def get_device_name(device=None) -> str:
+    return "the CUDA stand-in (a CPU)"
+
+
+def _sync_point(what) -> None:
+    mode = _state.get("debug")
+    if mode == "error":
+        raise RuntimeError(f"called a synchronizing CUDA operation (the CUDA stand-in: {what})")
+    if mode == "warn":
+        warnings.warn(f"called a synchronizing CUDA operation (the CUDA stand-in: {what})", UserWarning, stacklevel=3)
 
 
 def is_device(device) -> bool:
@@ -142,6 +188,8 @@ class DeviceTensor(torch.Tensor):
         return f"{self.raw!r} on {self.device}"
 
     def tolist(self):
+        if _state.get("debug"):
+            _sync_point("tolist")
         return self.raw.tolist()
 
     def numpy(self, *, force: bool = False):
@@ -171,6 +219,8 @@ class DeviceTensor(torch.Tensor):
                                f"{_state['device']} and cpu! (the CUDA stand-in, in {func}: a host tensor of shape "
                                f"{tuple(host[0].shape)} meets a device tensor)")
         to = kwargs.get("device")
+        if _state.get("debug") and (name in _SYNCING or _to_host(name, to, args, kwargs)):
+            _sync_point(func)
         if to is not None:
             if name == "aten::_to_copy" and torch.device(to).type != NAME:
                 return func(*unwrapped, **unwrapped_kw)  # to the host
@@ -182,6 +232,16 @@ class DeviceTensor(torch.Tensor):
                 raise NotImplementedError(f"the CUDA stand-in: {func} resized a device tensor in place")
             return target
         return _wrap(out)
+
+
+def _to_host(name: str, to, args, kwargs) -> bool:
+    """A blocking copy from the device to the host (``.cpu()``, ``.to("cpu")``, ``host.copy_(device)``)."""
+    if name == "aten::_to_copy":
+        return to is not None and torch.device(to).type == "cpu"
+    if name == "aten::copy_":
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        return blocking and type(args[0]) is not DeviceTensor and type(args[1]) is DeviceTensor
+    return False
 
 
 def _histc(x, *args, **kwargs):
