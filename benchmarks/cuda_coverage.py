@@ -35,15 +35,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "specfit"
 LISTED = ROOT / "benchmarks" / "cuda_only_lines.txt"
 BENCHMARKS = ROOT / "benchmarks"
-# the GPU check's own Python: what its stages run (benchmarks/gpu_check.sh)
-CHECK = ["decode_check.py", "decode_gate.py", "gpu_stages.py", "host_expert_check.py", "speed_factor.py",
+# the GPU check's own Python: the program and what its stages run (benchmarks/gpu_check.py)
+CHECK = ["gpu_check.py", "gpu_stages.py", "gpu_users.py", "decode_check.py", "decode_gate.py", "host_expert_check.py",
          "synthetic_checkpoint.py"]
 TESTS = ["tests/test_cuda_standin.py", "tests/test_cuda_standin_devices.py", "tests/test_cuda_standin_lane.py",
          "tests/test_cuda_seams.py", "tests/test_decode_gate_standin.py", "tests/test_gpu_check_standin.py",
          "tests/test_host_lane.py", "tests/test_copy_engine.py", "tests/test_transfer.py", "tests/test_fp8.py",
          "tests/test_syncs.py",
          "tests/test_benchmark_scripts.py::test_decode_check_reference_passes_through_the_grouped_path",
-         "tests/test_benchmark_scripts.py::test_host_expert_check_runs_on_a_cpu"]
+         "tests/test_benchmark_scripts.py::test_host_expert_check_runs_on_a_cpu", "tests/test_gpu_check.py"]
 SKIP = {"offload/standin.py", "offload/standin_device.py"}  # the stand-in itself is CPU code
 # functions and classes only CUDA runs: "file::qualname"
 CUDA_ONLY = {"offload/host_compute.py::ThreadedLane", "offload/host_compute.py::HostCopies",

@@ -1,10 +1,14 @@
-"""The GPU check's own measurements on the device (``benchmarks/gpu_check.sh`` runs them): the host link's bandwidth
-and what users run. Each makes its CUDA calls through the runtime's seams (``CudaStreams``, ``HostCopies``, the
-store's pinning), so on a CPU the CUDA stand-in (``SPECFIT_CUDA_STANDIN=1``: its doubles, its second device) runs
-every line of them (tests/test_gpu_check_standin.py).
+"""The GPU check's own code that runs on the device, with torch (``benchmarks/gpu_check.py`` runs each as a stage's
+command): the environment's checks, the host link's bandwidth, the CPU/GPU speed factor of a stand-in run, and the
+RESULT lines of a profile and of a decode. The device's CUDA calls go through the runtime's seams (``CudaStreams``,
+``HostCopies``, the store's pinning), so on a CPU the CUDA stand-in (``SPECFIT_CUDA_STANDIN=1``: its doubles, its
+second device) runs every line of them (tests/test_gpu_check_standin.py).
 
+    python benchmarks/gpu_stages.py env                          # imports, versions, CUDA; the RESULT env line
     python benchmarks/gpu_stages.py bandwidth [--min-gbps G]    # H2D of one real-size expert, three ways; the gate
-    python benchmarks/gpu_stages.py users [--tokens 16]          # generate() on 2 left-padded rows, `specfit serve`
+    SPECFIT_CUDA_STANDIN=1 python benchmarks/gpu_stages.py speed  # this CPU's decode cycle over the device's
+    python benchmarks/gpu_stages.py fit PROFILE.json | decoded DECODE.json   # RESULT lines for the summary
+    python benchmarks/gpu_stages.py wheels      # where PyPI is reachable: the wheels the image lacks, into .whl/
 
 ``bandwidth``: H2D time of one Qwen3-30B-A3B expert (9,437,184 bytes, bf16) from an arena pinned by ExpertStore
 (``cudaHostRegister``), from a pinned buffer (torch's allocator) and from pageable memory, each on a copy stream
@@ -14,27 +18,22 @@ A100 on PCIe 4 figure) and hand the host back before the copy lands. The link's 
 from nvidia-smi while copies keep the link trained up (idle, a link trains down). A demand copy's head-of-line wait
 behind 30 prefetch copies on another stream is a figure.
 
-``users``: the embedded model and drafter (they ship a tokenizer) loaded by ``specfit.from_pretrained`` on the
-device, in fp32: for each assistant, ``generate()`` on 2 left-padded rows and on one row, the ids on the host as a
-tokenizer gives them, tokens checked against plain decoding (``assistant=None``, transformers' own loop); then
-``specfit serve`` on the same checkpoint answers through the ``openai`` client: each question alone with plain
-decoding, then all of them at once (a batch: at least two share a call) and one streamed, each answer equal to the
-plain one. FAILS on any difference (a plain top-2 margin under 1e-4 at the first differing token is a near tie:
-said, not failed).
+``speed``: a CPU run of part 2 on the stand-in decodes the ``tiny`` preset; the device's limits were sized on its
+decode cycle at the real shapes (40-70 ms per cycle by review 5; ``DEVICE_CYCLE_MS`` the midpoint). The factor is
+this CPU's median one-token forward of the preset on the stand-in over that; the check scales its limits by
+max(1, factor), never more than the measured slowness. The last line printed is the scale alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import contextlib
+import json
+import shutil
 import os
-import signal
-import socket
+import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -42,12 +41,11 @@ from types import SimpleNamespace
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+
 E_BYTES = 3 * 768 * 2048 * 2  # one Qwen3-30B-A3B expert in bf16
-QUESTIONS = ["What is 7 times 8?", "A class has 28 students. Half of them play football. How many play football?",
-             "Sara buys 4 notebooks at 3 dollars each. How much does she pay?", "What is 100 minus 37?"]
 NVIDIA_SMI = ("nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,"
               "pcie.link.width.max", "--format=csv,noheader")
-NEAR_TIE = 1e-4  # plain decoding's top-2 logit margin under which another kernel's rounding may pick the other
 
 
 def device_seams(required: bool = True) -> SimpleNamespace | None:
@@ -221,172 +219,201 @@ def bandwidth(min_gbps: float | None = None, experts: int = 64, hidden: int = 20
     return 0
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# the wheels the image (Python 3.12, torch 2.11+cu130, transformers 5.17, hub 1.33) lacks for transformers 5.25:
+# its own, huggingface-hub >= 2.4 (httpx2 and its stack, hf-xet, a newer click), kernels (tomlkit), regex >=
+# 2025.10.22, and platformdirs (SpecFit's cache folder); one version each, no dependency resolution on the device
+WHEELS = ("transformers==5.25.0", "huggingface-hub==2.4.0", "kernels==0.19.1", "tomlkit==0.15.3", "httpx2==2.17.0",
+          "httpcore2==2.17.0", "truststore==0.10.5", "anyio==4.16.0", "idna==3.20", "h11==0.16.0", "click==8.5.1",
+          "hf-xet==1.8.0", "typing-extensions==4.16.0", "regex==2026.12.2", "platformdirs==4.14.9")
 
 
-def first_difference(model, mask, got, want, row: int) -> str:
-    """Where row ``row`` of ``got`` leaves plain decoding's ``want`` [B, P + N] (``mask`` [B, P] the prompts', or
-    None), and plain decoding's own top-2 logit margin there, teacher-forced: a near tie, or a real difference."""
-    pos = next(i for i, (a, b) in enumerate(zip(got[row].tolist(), want[row].tolist())) if a != b)
-    seen = torch.ones_like(want[row:row + 1])  # [1, P + N]
-    if mask is not None:
-        seen[:, :mask.shape[1]] = mask[row:row + 1]
-    seen = seen[:, :pos]
-    with torch.no_grad():
-        logits = model(want[row:row + 1, :pos].to(model.device), attention_mask=seen.to(model.device),
-                       position_ids=(seen.cumsum(-1) - 1).clamp(min=0).to(model.device)).logits[0, -1].float()
-    top = logits.topk(2).values.tolist()
-    margin = top[0] - top[1]
-    return f"row {row} position {pos}: margin {margin:.2e}" + (" (a near tie)" if margin < NEAR_TIE else "")
 
-
-def check_rows(model, name: str, ids, mask, tokens: int) -> list[str]:
-    """``assistant=name`` against plain decoding on ``ids`` [B, P] (host) and ``mask``: the differences (near ties
-    said as such); prints the RESULT line."""
-    kw = dict(max_new_tokens=tokens, do_sample=False)
-    plain = model.generate(ids, attention_mask=mask, **kw)  # transformers' own loop
-    got = model.generate(ids, attention_mask=mask, assistant=name, **kw)
-    rows = ids.shape[0]
-    where = [] if got.device == ids.device else [f"the output came back on {got.device}, the ids were on {ids.device}"]
-    diffs = [first_difference(model, mask, got, plain, b) for b in range(rows) if not torch.equal(got[b], plain[b])]
-    real = [d for d in diffs if "near tie" not in d] + where
-    what = f"{rows} left-padded rows" if rows > 1 else "one row"
-    print(f"RESULT users generate {name} ({what}, host ids): "
-          f"{'FAIL: ' + '; '.join(real) if real else 'equal to plain decoding'}"
-          f"{' (' + '; '.join(diffs) + ')' if diffs and not real else ''}, "
-          f"{model.specfit.stats.last_generate.new_tokens} tokens", flush=True)
-    return [f"generate {name} {what}: {d}" for d in real]
-
-
-def ask(url: str, question: str, tokens: int, assistant, stream: bool = False):
-    import openai
-
-    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
-    reply = client.chat.completions.create(model="specfit", max_tokens=tokens, temperature=0, stream=stream,
-                                           messages=[{"role": "user", "content": question}],
-                                           extra_body={"assistant": assistant})
-    if stream:
-        return "".join(c.choices[0].delta.content or "" for c in reply if c.choices).strip(), None
-    return reply.choices[0].message.content, reply.model_extra["specfit"]
-
-
-def fp32_checkpoint(source: Path, folder: Path) -> Path:
-    """``source`` as a float32 checkpoint: its files linked into ``folder``, its config saying float32 (the embedded
-    checkpoint says bfloat16, where a batch and a row alone may break near ties apart; fp32 greedy is exact)."""
-    import json
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for path in source.iterdir():
-        if path.name != "config.json" and not (folder / path.name).exists():
-            (folder / path.name).symlink_to(path)
-    config = json.loads((source / "config.json").read_text())
-    config["dtype"] = "float32"
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
-
-
-def serve_check(checkpoint, drafter, slots: int, tokens: int, max_batch: int, timeout: float, log: Path) -> list[str]:
-    """``specfit serve`` on ``checkpoint`` (the command users type), through the openai client: plain answers one
-    at a time, then every question at once with SpecFit (batched) and one streamed. The differences."""
-    import httpx
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/v1"
-    cmd = [sys.executable, "-m", "specfit.cli", "serve", "--model", str(checkpoint), "--drafter", str(drafter),
-           "--slots", str(slots), "--max-batch", str(max_batch), "--host", "127.0.0.1", "--port", str(port)]
-    print("users: " + " ".join(cmd), flush=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                    break
-            if server.poll() is not None or time.perf_counter() - t0 > timeout:
-                return [f"serve: the server did not come up in {timeout:g} s (exit {server.poll()}): "
-                        + log.read_text()[-600:].replace("\n", " | ")]
-            time.sleep(0.5)
-        up = time.perf_counter() - t0
-        plain = {q: ask(url, q, tokens, None)[0] for q in QUESTIONS}  # one at a time: plain decoding
-        with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
-            replies = list(pool.map(lambda q: (q, *ask(url, q, tokens, "specfit")), QUESTIONS))
-        streamed = ask(url, QUESTIONS[0], tokens, "specfit", stream=True)[0]
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    diffs = [f"serve {q!r}: {text!r} != plain {plain[q]!r}" for q, text, _ in replies if text != plain[q]]
-    if streamed != plain[QUESTIONS[0]]:
-        diffs.append(f"serve streamed {streamed!r} != plain {plain[QUESTIONS[0]]!r}")
-    batches = [stats["batch"] for _, _, stats in replies]
-    if max(batches) < 2:
-        diffs.append(f"serve: no two of {len(QUESTIONS)} concurrent requests shared a call (batch sizes {batches})")
-    print(f"RESULT users serve: up in {up:.1f} s; {len(QUESTIONS)} concurrent requests (batch sizes {batches}, "
-          f"--max-batch {max_batch}) and one streamed: "
-          f"{'FAIL: ' + '; '.join(diffs) if diffs else 'every answer equal to plain decoding'}", flush=True)
-    return diffs
-
-
-def users(tokens: int = 16, slots: int = 24, max_batch: int = 4, serve_timeout: float = 60.0,
-          log: Path | None = None) -> int:
-    """The users stage (see the module's docstring): 0 when every answer equals plain decoding's."""
-    import specfit
-    from specfit.embedded.paths import DRAFTER_DIR, TARGET_DIR
-    from specfit.evaluation.batches import left_padded, pad_id
-    from transformers import AutoTokenizer
-
-    cuda = torch.cuda.is_available() and os.environ.get("ALLOW_CPU") != "1"
-    t0 = time.perf_counter()
-    model = specfit.from_pretrained(TARGET_DIR, cache_slots=slots, dtype=torch.float32,
-                                    device="cuda" if cuda else "cpu", drafter=str(DRAFTER_DIR))
-    model.generation_config.eos_token_id = None  # every call decodes `tokens`: the rows stay comparable
-    tokenizer = AutoTokenizer.from_pretrained(TARGET_DIR)
-    print(f"users: the embedded model on {model.device} in {time.perf_counter() - t0:.1f} s: {model.specfit!r}",
-          flush=True)
-    prompts = [tokenizer(f"Question: {q}\nAnswer:", return_tensors="pt").input_ids for q in QUESTIONS[:2]]  # host
-    (ids, mask), = left_padded(prompts, 2, pad_id(model))  # [2, P] on the host, as a user passes them
-    failures = []
-    for name in ("eagle3", "specfit"):
-        failures += check_rows(model, name, ids, mask, tokens)
-        failures += check_rows(model, name, prompts[1], None, tokens)
-    with tempfile.TemporaryDirectory(prefix="specfit-users-") as work:
-        checkpoint = fp32_checkpoint(TARGET_DIR, Path(work) / "target")
-        failures += serve_check(checkpoint, DRAFTER_DIR, slots, tokens, max_batch, serve_timeout,
-                                log or Path(work) / "serve.log")
-    if failures:
-        print("RESULT users: FAIL: " + "; ".join(failures)[:1500])
+def wheels(dest: Path = ROOT / ".whl", python: str = sys.executable, limit_mb: int = 40) -> int:
+    """Fetch ``WHEELS`` (one version each, no dependencies, for the device's CPython 3.12 on x86_64) into ``dest``,
+    kept out of git; say their size with the working tree's against the 64 MiB a device call carries."""
+    exclude = ROOT / ".git" / "info" / "exclude"
+    if (ROOT / ".git").is_dir() and "/.whl/" not in (exclude.read_text() if exclude.is_file() else ""):
+        exclude.parent.mkdir(parents=True, exist_ok=True)
+        with exclude.open("a") as f:
+            f.write("/.whl/\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    platforms = [a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+                 for a in ("--platform", p)]
+    cmd = [python, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+           "--implementation", "cp", *platforms, "-d", str(dest), *WHEELS]
+    if subprocess.run(cmd).returncode:
+        print(f"gpu_check.py --wheels: pip download failed: {' '.join(cmd)}", file=sys.stderr)
         return 1
-    print("RESULT users: pass (generate() on 2 left-padded rows and one row per assistant, and `specfit serve` "
-          "under concurrent requests, equal to plain decoding)")
+    total = sum(p.stat().st_size for p in dest.glob("*.whl"))
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.split("\0")
+    tree = sum((ROOT / f).stat().st_size for f in listed if f and (ROOT / f).is_file())
+    for path in sorted(dest.glob("*.whl")):
+        print(f"  {path.stat().st_size / 2**20:6.1f} MiB  {path.name}")
+    print(f"wheels: {len(list(dest.glob('*.whl')))} files, {total / 2**20:.1f} MiB; with the working tree that "
+          f"travels ({tree / 2**20:.1f} MiB): {(total + tree) / 2**20:.1f} MiB of the 64 MiB a device call carries")
+    if total > limit_mb * 2**20:
+        print(f"gpu_check.py --wheels: the wheels exceed {limit_mb} MiB", file=sys.stderr)
+        return 1
     return 0
+
+
+DEVICE_CYCLE_MS = 55.0  # the device's decode cycle at the check's real shapes (review 5: 40-70 ms)
+# every module the run imports beyond torch (specfit's own needs, the CUDA tests', calibrate's and decode's); the
+# installed transformers' own unconditional requirements are added (5.25: kernels, huggingface-hub >= 2.4, ...)
+REQUIRED = ("transformers accelerate safetensors huggingface_hub tokenizers numpy scipy regex tqdm platformdirs "
+            "packaging pytest")
+
+
+def transformers_needs() -> list[str]:
+    """The modules of the installed transformers' unconditional requirements (its METADATA's Requires-Dist)."""
+    from importlib.metadata import requires
+
+    names = [r.split(";")[0] for r in requires("transformers") or () if "extra ==" not in r]
+    dists = [re.split(r"[<>=!~ \[]", n.strip(), maxsplit=1)[0].lower() for n in names]
+    return [{"pyyaml": "yaml"}.get(d, d.replace("-", "_")) for d in dists if d]
+
+
+def env(required: str = REQUIRED) -> int:
+    """Every required module imports, torch has what SpecFit calls, transformers >= 5.24, CUDA (unless ALLOW_CPU=1),
+    specfit; the RESULT env line. FAIL lines name the remedy."""
+    import importlib
+
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+    try:
+        import transformers  # its own import-time dependency version checks
+    except Exception as e:
+        return _fail(f"import transformers: {type(e).__name__}: {e}")
+    missing = []
+    for name in dict.fromkeys(required.split() + transformers_needs()):
+        try:
+            mod = importlib.import_module(name)
+            print(f"  {name:16s} {str(getattr(mod, '__version__', '?')):12s} {mod.__file__}")
+        except Exception as e:
+            print(f"  {name:16s} MISSING ({type(e).__name__}: {e})")
+            missing.append(name)
+    wheels = "Run `python benchmarks/gpu_check.py --wheels` where PyPI is reachable and carry .whl to this machine."
+    if missing:
+        return _fail(f"missing on this machine: {', '.join(missing)}. {wheels}")
+    from packaging.version import Version
+
+    if Version(torch.__version__.split("+")[0]) < Version("2.8"):
+        return _fail(f"torch {torch.__version__} is too old: SpecFit needs >= 2.8 (pyproject.toml)")
+    if getattr(torch.nn.functional, "grouped_mm", None) is None and getattr(torch, "_grouped_mm", None) is None:
+        return _fail(f"torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm")
+    if Version(transformers.__version__) < Version("5.24"):
+        return _fail(f"transformers {transformers.__version__} is too old: SpecFit needs >= 5.24. {wheels}")
+    if not torch.cuda.is_available() and os.environ.get("ALLOW_CPU") != "1":
+        return _fail("torch.cuda.is_available() is False")
+    import specfit
+    import specfit.evaluation.calibrate  # noqa: F401
+    import specfit.offload.loader  # noqa: F401
+
+    print(f"specfit {specfit.__version__} from {specfit.__file__}")
+    device = "no GPU (ALLOW_CPU=1)"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        device = f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, sm_{p.major}{p.minor}"
+    print(f"RESULT env: torch {torch.__version__}, transformers {transformers.__version__}, {device}")
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"FAIL: {message}")
+    return 1
+
+
+def speed(preset: str = "tiny", dtype: str = "bfloat16", forwards: int = 24) -> int:
+    """The speed factor of a stand-in run (see the module's docstring); its scale, alone, on the last line."""
+    if os.environ.get("SPECFIT_CUDA_STANDIN") != "1":
+        return _fail("the speed factor is for a run on the CUDA stand-in: set SPECFIT_CUDA_STANDIN=1")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import specfit
+    import synthetic_checkpoint as sc
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**{k: v for k, v in sc.PRESETS[preset].items() if k != "draft_vocab_size"})
+    model = specfit.enable(Qwen3MoeForCausalLM(config).to(getattr(torch, dtype)).eval(), cache_slots=12)
+    ids = torch.randint(2, config.vocab_size, (1, forwards + 4), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)  # the stand-in's device: a forward takes its inputs there
+    times = []
+    with torch.no_grad():
+        for i in range(ids.shape[1]):
+            t0 = time.perf_counter()
+            model(ids[:, i:i + 1])  # each a new token: its own routes, so the slots cycle
+            times.append(time.perf_counter() - t0)
+    cpu_ms = statistics.median(times[4:]) * 1e3
+    factor = cpu_ms / DEVICE_CYCLE_MS
+    print(f"RESULT speed factor: {factor:.3f} (this CPU's decode cycle on the stand-in, {preset} preset, "
+          f"{cpu_ms:.2f} ms, over the device's {DEVICE_CYCLE_MS:g} ms at real shapes); stage limits x "
+          f"{max(1.0, factor):.3f}")
+    print(f"{max(1.0, factor):.3f}")
+    return 0
+
+
+def fit_lines(d: dict) -> list[str]:
+    """A calibrated profile's figures and its verdict (a figure, not the stage's status)."""
+    beta, r2, n = d["beta"] * 1e3, d.get("r2") or 0.0, d.get("n_records")
+    q = d.get("quality") or {}
+    held, verdict, paper = q.get("heldout_r2"), q.get("verdict", "unassessed"), (d.get("paper") or {}).get("beta")
+    if verdict == "poor":
+        verdict = "POOR (" + "; ".join(q.get("reasons") or []) + ")"
+    link = max((d.get("probes") or {}).get("link_seconds") or [0.0])
+    copy = (d.get("copy_overhead_s", 0.0) + d.get("link_share", 1.0) * link) * 1e3
+    return [f"RESULT profile: compute {beta:.4f} ms per expert, copy {copy:.4f} ms per expert (the link's own "
+            f"{link * 1e3:.4f} ms, measured from the pinned bandwidth), R^2 {r2:.3f} (held out "
+            f"{'n/a' if held is None else f'{held:.3f}'}) over {n} records (probe configurations x link and lane "
+            f"settings); the paper's demand-only beta here {'n/a' if paper is None else f'{paper * 1e3:.4f}'} ms "
+            f"(paper, A100 over PCIe 4.0: 0.211 ms)",
+            f"RESULT calibration verdict: {verdict}; the profile goes to decode either way"]
+
+
+def decoded_lines(report: dict) -> list[str]:
+    """A decode_check report's modes (the ones done so far: it is rewritten after each) as RESULT lines."""
+    names = {"ar": "AR", "eagle3": "EAGLE-3", "specfit": "SpecFit"}
+    lines = []
+    for mode, x in report["results"].items():
+        name = names.get(mode, mode) + (f" ({x['route_source']} routes)" if x.get("route_source") else "")
+        lines.append(f"RESULT decode {name}: {x['tokens_per_second']:.2f} tok/s (wall clock), "
+                     f"{x['copies_per_token']:.1f} copies/token, {x['nodes_per_cycle']:.2f} nodes/cycle, "
+                     f"{x['tokens_per_cycle']:.2f} tokens/cycle, {x['seconds_per_cycle'] * 1e3:.1f} ms/cycle, copies "
+                     f"at {x.get('copy_bandwidth', 0) / 1e9:.1f} GB/s, {x.get('pageable_copies', '?')} pageable "
+                     f"copies, {x.get('syncs_per_cycle', float('nan')):.1f} host syncs/cycle "
+                     f"({x.get('sync_counter', '?')})")
+    return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="stage", required=True)
+    sub.add_parser("env", help="imports, versions, CUDA: the environment's checks")
     b = sub.add_parser("bandwidth", help="H2D of one real-size expert: registered / pin_memory / pageable; the gate")
     b.add_argument("--min-gbps", type=float, default=float(os.environ["MIN_H2D_GBPS"])
                    if os.environ.get("MIN_H2D_GBPS") else None, help="the pinned rows' floor (default: by the GPU)")
     b.add_argument("--experts", type=int, default=64, help="experts per source buffer (copies cycle through them)")
     b.add_argument("--hidden", type=int, default=2048)
     b.add_argument("--intermediate", type=int, default=768)
-    u = sub.add_parser("users", help="generate() on 2 left-padded rows and `specfit serve`, against plain decoding")
-    u.add_argument("--tokens", type=int, default=16)
-    u.add_argument("--slots", type=int, default=24)
-    u.add_argument("--max-batch", type=int, default=4)
-    u.add_argument("--serve-timeout", type=float, default=60.0, help="seconds the server may take to come up")
-    u.add_argument("--log", type=Path, default=None, help="the server's output (default: a temporary file)")
+    sub.add_parser("speed", help="the CPU/GPU speed factor of a run on the CUDA stand-in")
+    sub.add_parser("wheels", help="where PyPI is reachable: the wheels the device's image lacks, into .whl/")
+    for name in ("fit", "decoded"):
+        sub.add_parser(name, help=f"RESULT lines of a {name} JSON").add_argument("json", type=Path)
     args = p.parse_args(argv)
+    if args.stage == "env":
+        return env(os.environ.get("REQUIRED") or REQUIRED)
     if args.stage == "bandwidth":
         return bandwidth(args.min_gbps, args.experts, args.hidden, args.intermediate)
-    return users(args.tokens, args.slots, args.max_batch, args.serve_timeout, args.log)
+    if args.stage == "speed":
+        return speed()
+    if args.stage == "wheels":
+        return wheels()
+    lines = (fit_lines if args.stage == "fit" else decoded_lines)(json.loads(args.json.read_text()))
+    print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic_checkpoint, beside this file
     sys.exit(main())

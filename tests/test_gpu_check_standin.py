@@ -1,8 +1,9 @@
-"""The GPU check's parts and their commands on the CUDA stand-in (issues 43 and 52): ``specfit calibrate``,
-``decode_check.py --reference`` and ``gpu_stages.py`` (bandwidth, users) take the GPU's flow on the CPU
-(``SPECFIT_CUDA_STANDIN=1``: its doubles, its second device); the whole part 2 of ``benchmarks/gpu_check.sh``
-(``STANDIN=1``) passes under the device's own stage limits scaled by the measured speed factor it prints, and fails on
-a planted wrong expert, and part 3 passes (slow: ~2 minutes each; the fast tests run the stages' code)."""
+"""The GPU check's parts and their commands on the CUDA stand-in (issues 43, 52 and 55): ``specfit calibrate``,
+``decode_check.py --reference``, ``gpu_stages.py`` (bandwidth, the speed factor) and ``gpu_users.py`` take the GPU's
+flow on the CPU (``SPECFIT_CUDA_STANDIN=1``: its doubles, its second device); the whole part 2 of
+``benchmarks/gpu_check.py`` (``STANDIN=1``) passes under the device's own stage limits scaled by the measured speed
+factor it prints, and fails on a planted wrong expert, and part 3 passes (slow: ~2 minutes each; the fast tests run
+the stages' code)."""
 
 import json
 import os
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import decode_check  # noqa: E402
 import gpu_stages  # noqa: E402
+import gpu_users  # noqa: E402
 import synthetic_checkpoint as sc  # noqa: E402
 
 # a planted defect: every layer-1 load brings the next expert's weights (a wrong expert). As a subprocess's
@@ -115,8 +117,8 @@ def part(out, which="2", plant=None, timeout=400, **extra):
         site.mkdir()
         (site / "sitecustomize.py").write_text(plant)
         env["PYTHONPATH"] = f"{site}:{env.get('PYTHONPATH', '')}"
-    res = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--part", which, str(out)], env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--part", which, str(out)],
+                         env=env, capture_output=True, text=True, timeout=timeout)
     return res.returncode, (out / f"gpu_check-part{which}.log").read_text()
 
 
@@ -171,7 +173,7 @@ def test_the_users_part_passes_on_the_stand_in(on, monkeypatch, tmp_path, capsys
     the openai client: questions alone, at once (a batch), one streamed."""
     monkeypatch.setenv("ALLOW_CPU", "1")
     torch.set_num_threads(1)
-    assert gpu_stages.users(tokens=8, log=tmp_path / "serve.log") == 0, (tmp_path / "serve.log").read_text()[-2000:]
+    assert gpu_users.users(tokens=8, log=tmp_path / "serve.log") == 0, (tmp_path / "serve.log").read_text()[-2000:]
     out = capsys.readouterr().out
     for name in ("eagle3", "specfit"):
         assert f"RESULT users generate {name} (2 left-padded rows, host ids): equal to plain decoding" in out
@@ -285,3 +287,89 @@ def test_require_pinned_says_what_was_not_pinned():
     assert decode_check.pageable_failure(report) is None
     report["info"]["cuda"] = False
     assert decode_check.pageable_failure(report).startswith("not a CUDA run")
+
+
+def test_the_speed_factor_is_measured_on_the_stand_in(on, capsys):
+    assert gpu_stages.speed(forwards=6) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    factor = re.search(r"RESULT speed factor: (\d+\.\d+) .*stage limits x (\d+\.\d+)", lines[0])
+    assert factor and float(lines[-1]) == float(factor[2]) == max(1.0, float(factor[1]))
+
+
+def test_the_speed_factor_is_for_the_stand_in_only(monkeypatch, capsys):
+    monkeypatch.delenv(standin.ENV, raising=False)
+    assert gpu_stages.speed() == 1 and "set SPECFIT_CUDA_STANDIN=1" in capsys.readouterr().out
+
+
+def test_the_summarys_result_lines_of_a_profile_and_a_decode(tmp_path, capsys):
+    profile = dict(beta=2e-4, r2=0.93, n_records=96, copy_overhead_s=1e-5, link_share=0.9,
+                   probes=dict(link_seconds=[0.0, 2e-4]), quality=dict(verdict="poor", heldout_r2=0.41,
+                                                                        reasons=["held-out R^2 0.410 < 0.5"]))
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    assert gpu_stages.main(["fit", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "over 96 records (probe configurations x link and lane settings)" in out
+    assert "RESULT calibration verdict: POOR (held-out R^2 0.410 < 0.5); the profile goes to decode either way" in out
+    row = dict(tokens_per_second=12.5, copies_per_token=3.0, nodes_per_cycle=4.0, tokens_per_cycle=2.5,
+               seconds_per_cycle=0.05, copy_bandwidth=4.8e10, pageable_copies=0, syncs_per_cycle=7.0,
+               sync_counter="cuda sync debug mode + host waits", route_source="gate")
+    (tmp_path / "d.json").write_text(json.dumps(dict(results=dict(specfit=row))))
+    assert gpu_stages.main(["decoded", str(tmp_path / "d.json")]) == 0
+    assert capsys.readouterr().out.startswith("RESULT decode SpecFit (gate routes): 12.50 tok/s (wall clock), 3.0 "
+                                              "copies/token, 4.00 nodes/cycle, 2.50 tokens/cycle, 50.0 ms/cycle, "
+                                              "copies at 48.0 GB/s, 0 pageable copies, 7.0 host syncs/cycle")
+
+
+def test_the_env_checks_pass_here(monkeypatch, capsys):
+    monkeypatch.setenv("ALLOW_CPU", "1")
+    assert gpu_stages.env("transformers torch") == 0
+    assert "RESULT env: torch" in capsys.readouterr().out
+    monkeypatch.delenv("ALLOW_CPU")
+    if not torch.cuda.is_available():
+        assert gpu_stages.env("transformers") == 1 and "FAIL: torch.cuda.is_available() is False" in \
+            capsys.readouterr().out
+    assert gpu_stages.env("no_such_module") == 1
+    assert "FAIL: missing on this machine: no_such_module" in capsys.readouterr().out
+
+
+def test_the_users_part_says_what_differs(monkeypatch):
+    """A row that leaves plain decoding (a real difference, or a near tie said as such), an answer the server got
+    wrong, a streamed one, concurrent requests that never shared a call."""
+
+    class Model:  # generate(): plain decoding, or an assistant's rows with row 1's last token changed
+        device = torch.device("cpu")
+        specfit = types.SimpleNamespace(stats=types.SimpleNamespace(last_generate=types.SimpleNamespace(new_tokens=4)))
+
+        def generate(self, ids, attention_mask=None, assistant=None, **kw):
+            out = torch.cat([ids, torch.tensor([[7, 8]] * ids.shape[0])], 1)
+            if assistant is not None:
+                out[-1, -1] = 9
+            return out
+
+        def __call__(self, ids, **kw):  # plain decoding's logits there: 8 ahead of 9 by `margin`
+            logits = torch.zeros(1, ids.shape[1], 16)
+            logits[0, -1, 8], logits[0, -1, 9] = 1.0, 1.0 - self.margin
+            return types.SimpleNamespace(logits=logits)
+
+    model, ids = Model(), torch.tensor([[0, 3, 4], [5, 6, 2]])
+    model.margin = 0.5
+    diffs = gpu_users.check_rows(model, "specfit", ids, torch.tensor([[0, 1, 1], [1, 1, 1]]), 2)
+    assert diffs == ["generate specfit 2 left-padded rows: row 1 position 4: margin 5.00e-01"]
+    model.margin = 1e-6
+    assert gpu_users.check_rows(model, "specfit", ids, None, 2) == []  # a near tie: said, not failed
+    plain = {"a": "x", "b": "y"}
+    ok = [("a", "x", {"batch": 2}), ("b", "y", {"batch": 2})]
+    assert gpu_users.serve_differences(plain, ok, "x") == []
+    alone = [("a", "x", {"batch": 1}), ("b", "z", {"batch": 1})]
+    assert gpu_users.serve_differences(plain, alone, "w") == [
+        "serve 'b': 'z' != plain 'y'", "serve streamed 'w' != plain 'x'",
+        "serve: no two of 2 concurrent requests shared a call (batch sizes [1, 1])"]
+
+
+def test_the_env_line_names_the_gpu(monkeypatch, capsys):
+    h200 = types.SimpleNamespace(name="NVIDIA H200", total_memory=141 * 2**30, multi_processor_count=132, major=9,
+                                 minor=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: h200)
+    assert gpu_stages.env("transformers") == 0
+    assert "NVIDIA H200, 141 GiB, 132 SMs, sm_90" in capsys.readouterr().out
