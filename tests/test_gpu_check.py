@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,8 +188,10 @@ def fake_stages(tmp_path):
             gpu_check.Stage("figure", 1, 5, command("print('RESULT figure: 42 tok/s')"), lambda c: "figure"),
             gpu_check.Stage("broken", 1, 5, command("print('FAIL: the wrong expert'); raise SystemExit(3)"),
                             lambda c: "broken"),
-            gpu_check.Stage("slow", 1, 6, command("import time; print('started', flush=True); time.sleep(60)"),
-                            lambda c: "slow"),
+            gpu_check.Stage("slow", 1, 6, command(
+                "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+                f"time.sleep(60)']); open({str(tmp_path / 'child.pid')!r}, 'w').write(str(child.pid)); "
+                "print('started', flush=True); time.sleep(60)"), lambda c: "slow"),
             gpu_check.Stage("after", 1, 5, command("print('RESULT after: never')"), lambda c: "after",
                             needs_checkpoint=True))
 
@@ -212,6 +215,9 @@ def test_the_summary_comes_from_the_stages_records(tmp_path, monkeypatch, capsys
     assert "RESULT check: FAIL: 2 of 5 stages passed; not passed: broken slow after" in summary
     assert (tmp_path / "out" / "gpu_check-part1.log").read_text() == out
     assert not (tmp_path / "work").exists()  # the work folder goes unless KEEP=1
+    status = Path(f"/proc/{(tmp_path / 'child.pid').read_text()}/status")  # the stage's own child: killed with it
+    time.sleep(0.5)
+    assert not status.exists() or "State:\tZ" in status.read_text()
 
 
 def test_the_env_stage_runs_under_its_limit(tmp_path):

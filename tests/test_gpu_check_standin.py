@@ -323,7 +323,11 @@ def test_the_summarys_result_lines_of_a_profile_and_a_decode(tmp_path, capsys):
 def test_the_env_checks_pass_here(monkeypatch, capsys):
     monkeypatch.setenv("ALLOW_CPU", "1")
     assert gpu_stages.env("transformers torch") == 0
-    assert "RESULT env: torch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "RESULT env: torch" in out
+    needs = gpu_stages.transformers_needs()  # the installed transformers' own (5.25: kernels, hub >= 2.4, ...)
+    assert {"huggingface_hub", "tokenizers", "safetensors", "yaml"} <= set(needs)
+    assert all(f"  {name:16s} " in out for name in needs), out
     monkeypatch.delenv("ALLOW_CPU")
     if not torch.cuda.is_available():
         assert gpu_stages.env("transformers") == 1 and "FAIL: torch.cuda.is_available() is False" in \

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..transfer import DOUBLES
 from . import standin_device
 from .standin_device import raw
 
@@ -52,6 +53,7 @@ def place(model, device) -> torch.device:
     if not active(device):
         return torch.device(device)
     target = standin_device.register()
+    DOUBLES.setdefault(target.type, lambda on: Copies(Streams(), on))  # a staging ring made there: CUDA's flow
     model.to(target)
     return target
 

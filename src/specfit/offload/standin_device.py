@@ -62,11 +62,9 @@ def register() -> torch.device:
         aten.impl(op, functools.partial(_factory, getattr(getattr(torch.ops.aten, name), overload or "default")),
                   "PrivateUse1")
     _state.update(device=torch.device(NAME, 0), libs=(aten,))
-    from ..transfer import DOUBLES, GENERATORS
-    from .standin import Copies, Streams
+    from ..transfer import GENERATORS
 
-    DOUBLES[NAME] = lambda device: Copies(Streams(), device)  # a staging ring made for the device: CUDA's flow
-    GENERATORS[NAME] = generator
+    GENERATORS[NAME] = generator  # draws on the device take the stand-in's generators
     return _state["device"]
 
 
