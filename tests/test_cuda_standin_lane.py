@@ -85,8 +85,9 @@ def test_calibrate_skips_lane_rounds_its_lane_is_too_slow_for(monkeypatch):
 def test_lane_rounds_the_fit_needs_are_kept_and_the_limit_said():
     model = _enabled()
     runtime = model.specfit
-    slow = HostConfig(bandwidth=1e6)
+    slow = HostConfig(bandwidth=1e6, per_token=1e-4)  # a prefill's 32 tokens cost more than a decode's one
     one = lane_budget.round_seconds(runtime, slow, 100, 10)
+    assert one > lane_budget.round_seconds(runtime, slow, 110, 0)
     assert one == pytest.approx(100 * slow.expert_time(runtime.store.expert_bytes, 1)
                                 + 10 * slow.expert_time(runtime.store.expert_bytes, lane_budget.PREFILL_TOKENS))
     assert lane_budget.bounded_lanes(runtime, [slow], (100, 10), 2, None, True) == [slow]  # no bound given
