@@ -26,7 +26,7 @@ import torch
 
 import specfit
 from specfit import embedded
-from specfit.decoding import acceptance, assistants, loop
+from specfit.decoding import acceptance, assistants, loop, specfit_generator
 from specfit.drafting import drafter as drafter_module
 from specfit.drafting import levels, tree
 from specfit.evaluation import datasets
@@ -49,7 +49,7 @@ PARTS = {
                                            (assistants.Eagle3Generator, "select")],
     "route source": [(route_sources.PredictedRoutes, "__call__"), (route_sources, "oracle_routes"),
                      (route_predictor.RoutePredictor, "routes")],  # the head runs inside each drafted level
-    "selector": [(assistants, "select_subtree")],
+    "selector": [(specfit_generator, "select_subtree")],
     "verify layout": [(loop, "verify_layout")],
     "verify forward: attention and other dense": [],  # the target forward's own time (filled in below)
     "verify forward: experts function": [(experts.LayerRuntime, "forward")],

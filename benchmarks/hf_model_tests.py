@@ -1,10 +1,12 @@
 """transformers' own Qwen3-MoE model tests on SpecFit-enabled models: which tests fail only when enabled, and why.
 
 transformers ships no tests in its wheel: check out (or copy) its ``tests/`` folder at the installed version, with
-``tests/models/qwen3_moe/test_modeling_qwen3_moe.py`` and what it imports (``causal_lm_tester.py``,
-``test_modeling_common.py``, ``test_configuration_common.py``, ``test_pipeline_mixin.py``,
-``generation/test_utils.py``, ``exporters/test_export.py``, ``utils/test_configuration_utils.py``,
-``utils/tiny_model_summary.json``), and ``pip install parameterized``. Never copy them into this repository.
+``tests/models/qwen3_moe/test_modeling_qwen3_moe.py`` and what it imports (``NEEDED``), and ``pip install
+parameterized``. Never copy them into this repository. Its sdist is not enough: the sdists of 5.24.0 and 5.25.0
+(``pip download --no-deps --no-binary :all: transformers==5.25.0``) carry only the 22 top-level ``tests/*.py`` mixin
+files (``test_modeling_common.py``, ``test_configuration_common.py``, ``test_pipeline_mixin.py``, ...), none of
+``models/``, ``generation/``, ``exporters/`` or ``utils/``: take the folder from a git checkout of the release's tag
+(``git clone --depth 1 --branch v5.25.0 https://github.com/huggingface/transformers``).
 
 The file runs twice in subprocesses: plain, and with this module as a pytest plugin that enables SpecFit on every
 model the tests build (``model_class(config)``, ``_from_config``, ``from_pretrained``) with ``--slots`` expert slots
@@ -29,6 +31,9 @@ from collections import Counter
 from pathlib import Path
 
 TEST_FILE = "models/qwen3_moe/test_modeling_qwen3_moe.py"
+NEEDED = (TEST_FILE, "causal_lm_tester.py", "test_modeling_common.py", "test_configuration_common.py",
+          "test_pipeline_mixin.py", "generation/test_utils.py", "exporters/test_export.py",
+          "utils/test_configuration_utils.py", "utils/tiny_model_summary.json")
 ENV_SLOTS = "SPECFIT_HF_TESTS_SLOTS"  # set in the enabled run: the plugin enables models with this many slots
 ENV_LOG = "SPECFIT_HF_TESTS_LOG"  # the plugin appends one JSON line per model it enabled or enable refused
 
@@ -136,15 +141,19 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
 
 
 def prepare(tests: Path) -> None:
-    """``test_pipeline_mixin`` reads ``<tests>/../src/transformers``: point it at the installed package."""
+    """Every file the test file needs is there (``NEEDED``); ``test_pipeline_mixin`` reads
+    ``<tests>/../src/transformers``: point it at the installed package."""
     import transformers
 
+    missing = [name for name in NEEDED if not (tests / name).is_file()]
+    if missing:
+        raise SystemExit(f"--tests {tests}: {', '.join(missing)} missing; it takes transformers' tests/ folder from a "
+                         f"git checkout of the installed release (transformers' sdist carries only the top-level "
+                         f"mixin files: see this script's docstring)")
     src = tests.parent / "src" / "transformers"
     if not src.exists():
         src.parent.mkdir(exist_ok=True)
         src.symlink_to(Path(transformers.__file__).parent)
-    if not (tests / TEST_FILE).is_file():
-        raise SystemExit(f"--tests {tests}: no {TEST_FILE} there; it takes transformers' tests/ folder")
 
 
 def main(argv=None) -> int:

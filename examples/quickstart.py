@@ -2,9 +2,11 @@
 
     python examples/quickstart.py
 
-Runs on a CPU in under a minute. The host link is emulated (the default: each expert copy costs 1.4x a token's
-compute / (layers x top-k), measured here, so a token's full expert demand costs 1.4x its compute as on the paper's
-A100), so the speeds show the offload regime on a CPU, not GPU speed.
+Runs on a CPU in under a minute, in the demo's configuration (``specfit.embedded.demo_settings()``: 12 of 64 expert
+slots, the default emulated host link and host lane, as ``specfit demo`` and the README run). The host link is
+emulated (each expert copy costs 1.4x a token's compute / (layers x top-k), measured on this machine once and kept,
+so a token's full expert demand costs 1.4x its compute as on the paper's A100), so the speeds show the offload regime
+on a CPU, not GPU speed.
 """
 
 import torch
@@ -12,7 +14,7 @@ import torch
 from specfit import embedded
 
 torch.set_num_threads(1)  # fastest for a model this small; this script owns its process, so it sets it
-model, tokenizer = embedded.load(cache_slots=12, link=embedded.default_link())  # 12 of 64 expert slots
+model, tokenizer = embedded.load(**embedded.demo_settings())  # the demo's: 12 of 64 slots, emulated link and lane
 prompt = "Question: A baker makes 24 muffins and sells 3 boxes of 6. How many muffins are left?\nAnswer:"
 ids = tokenizer(prompt, return_tensors="pt").input_ids
 

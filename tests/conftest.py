@@ -1,4 +1,8 @@
+import atexit
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,6 +10,78 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy second core
+
+
+# The suite runs with a cache of its own: what a test keeps (the default link's measurement, profiles, acceptance
+# tables, the FP8 variant) goes to a temporary folder made once per run, by the first process (pytest itself, or
+# the xdist controller before it starts its workers, which inherit the environment), and removed at its end. The
+# user's cache (the SPECFIT_CACHE this run was started with, else the platform's folder) and the data folders are
+# watched: a test after which a file appeared or changed there fails (``_user_folders_untouched``).
+def _user_cache() -> Path:
+    if os.environ.get("SPECFIT_CACHE"):
+        return Path(os.environ["SPECFIT_CACHE"])
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specfit", appauthor=False))
+
+
+FIRST_PROCESS = "SPECFIT_TESTS_USER_CACHE" not in os.environ  # pytest itself, or the xdist controller
+if FIRST_PROCESS:
+    os.environ["SPECFIT_TESTS_USER_CACHE"] = str(_user_cache())
+    os.environ["SPECFIT_CACHE"] = tempfile.mkdtemp(prefix="specfit-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["SPECFIT_CACHE"], ignore_errors=True)
+SESSION_CACHE = Path(os.environ["SPECFIT_CACHE"])
+
+
+def watched_folders() -> list[Path]:
+    """The user's cache and the data folder the package reads (``$SPECFIT_DATA_DIR``, else ``shared/data``), as
+    they were when the run started."""
+    from specfit.evaluation import datasets
+
+    data = datasets.data_dir()
+    return [Path(os.environ["SPECFIT_TESTS_USER_CACHE"])] + ([Path(data)] if data is not None else [])
+
+
+def snapshot(folders) -> dict:
+    """Every file under ``folders``: its size and modification time."""
+    seen = {}
+    for folder in folders:
+        for root, _, names in os.walk(folder):
+            for name in names:
+                path = os.path.join(root, name)
+                try:
+                    info = os.stat(path)
+                except OSError:
+                    continue
+                seen[path] = (info.st_size, info.st_mtime_ns)
+    return seen
+
+
+def written(before: dict, after: dict) -> list[str]:
+    """Files that appeared or changed between two snapshots."""
+    return sorted(path for path, stamp in after.items() if before.get(path) != stamp)
+
+
+WATCHED = watched_folders()
+AT_START = snapshot(WATCHED)
+
+
+@pytest.fixture(autouse=True)
+def _user_folders_untouched():
+    before = snapshot(WATCHED)
+    yield
+    changed = written(before, snapshot(WATCHED))
+    if changed:
+        pytest.fail(f"this test wrote into the user's cache or data folders ({', '.join(changed[:5])}): tests keep "
+                    f"what they write in the run's own cache ({SESSION_CACHE}) or in tmp_path", pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The whole run, collection and workers included: nothing new in the user's cache or data folders."""
+    changed = written(AT_START, snapshot(WATCHED)) if FIRST_PROCESS else []
+    if changed:
+        print(f"\nthe test run wrote into the user's cache or data folders: {', '.join(changed[:5])}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def tiny_moe_config(**overrides):

@@ -100,3 +100,53 @@ def test_rows_drafted_together_keep_drafting_next_cycle():
     trees = draft_rows(gens, [None] * 3)
     for a, b, da, db in zip([alone(d, [p]) for d, p in zip(single, more)], trees, single, together):
         assert_same(a, b, da, db, False)
+
+
+LENGTHS_E2E = (3, 9, 14)  # test_batch_decoding.padded_batch's
+
+
+@pytest.mark.parametrize("assistant", ["eagle3", "specfit"])
+def test_left_padded_rows_draft_their_own_prompts_as_alone(monkeypatch, assistant):
+    """End to end: each row of a left-padded batch drafts, cycle after cycle, the pool its prompt drafts alone (so
+    padding never reaches its drafter), and its drafter cache holds exactly the positions of its own tokens."""
+    import specfit
+    from test_batch_decoding import padded_batch
+    from test_batch_ways import COST, drafter_for
+
+    from specfit.decoding.tree_generators import Eagle3Generator
+
+    pools = {}
+    real_end = Eagle3Generator.end_draft
+
+    def end_draft(self, tree):
+        pools.setdefault(id(self), []).append((tuple(tree.tokens), tuple(tree.parents), self.drafter.stable,
+                                              len(self.drafter.cache)))
+        return real_end(self, tree)
+    monkeypatch.setattr(Eagle3Generator, "end_draft", end_draft)
+    from specfit.decoding.specfit_generator import SpecFitGenerator
+    real_sf_end = SpecFitGenerator.end_draft
+    monkeypatch.setattr(SpecFitGenerator, "end_draft", lambda self, tree: end_draft(self, tree) and
+                        real_sf_end(self, tree))
+
+    def run(ids, mask=None):
+        pools.clear()
+        model = tiny_moe()
+        specfit.enable(model, cache_slots=4, drafter=drafter_for(model), cost_model=COST, route_source="gate",
+                       guard=False)
+        model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, assistant=assistant)
+        # per generator (row), its first three cycles; rows told apart by their drafter's first length
+        return {p[0][2]: p[:3] for p in pools.values()}
+
+    ids, mask = padded_batch()
+    together = run(ids, mask)
+    assert sorted(together) == sorted(LENGTHS_E2E)  # each row's cache: its prompt's pairs (token, next) only
+    for b in range(3):
+        tokens = int(mask[b].sum())
+        alone = run(ids[b:b + 1, mask[b].bool()])[tokens]
+        if assistant == "eagle3":
+            assert together[tokens] == alone, f"row {b}"
+        else:  # SpecFit's rows draft deeper in a batch (levels are cheap there): the levels alone drafted agree, and
+            # the subtrees differ from then on (the batch rule chooses), so the first cycle is compared
+            (t_tokens, t_parents, t_stable, _), (a_tokens, a_parents, a_stable, _) = together[tokens][0], alone[0]
+            n = len(a_tokens)
+            assert (t_tokens[:n], t_parents[:n], t_stable) == (a_tokens, a_parents, a_stable), f"row {b}"

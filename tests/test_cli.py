@@ -188,6 +188,11 @@ OPTION_ERRORS = [
     (["calibrate", "--model", "x"], "--model 'x': no local folder of that name, and the hub could not give its "
                                     "config.json"),
     (["calibrate", "--drafter", "/nonexistent"], "--drafter '/nonexistent' is neither a local EAGLE-3 checkpoint"),
+    (["calibrate", "--drafter", "eagle3-drafer"], "--drafter 'eagle3-drafer': no local folder of that name, and the "
+                                                  "hub could not give its config.json"),
+    (["estimate", "--slots", "0"], "--slots must be in 1..64 (the embedded model's experts per layer), got 0"),
+    (["estimate", "--hit-rate", "0.9", "2"], "--hit-rate takes shares from 0 to 1, got 2.0"),
+    (["estimate", "--profile", "nowhere.json"], "--profile 'nowhere.json': no such file"),
     (["calibrate", "--link-ms", "1", "--default-link"], "give --link-ms or --default-link, not both"),
     (["calibrate", "--threads", "0"], "--threads must be >= 1, got 0"),
     (["calibrate", "--device", "cuda:1"], "--device cuda:1: the embedded model runs on the CPU only"),

@@ -213,13 +213,16 @@ def test_demo_notes_each_profile_warning_once():
 @needs_embedded
 @needs_data
 def test_specfit_bench_as_the_readme_prints_it(user_cache, tmp_path, capsys):
-    """`specfit bench` at one prompt, one slot count, one regime and two of its rows: the table and its JSON."""
+    """`specfit bench --quick` (the smoke run: one slot count, one regime, the demo's three methods), at two GSM8K
+    prompts of 4 tokens: the table, its JSON and its plot."""
     out_dir = tmp_path / "bench"
-    code, out, err = run(capsys, "specfit bench", "--workloads", "gsm8k", "--gsm8k-prompts", "1", "--max-new-tokens",
-                         "4", "--slots", "12", "--regimes", "emulated", "--methods", "ar", "specfit",
-                         "--out", str(out_dir))
+    code, out, err = run(capsys, "specfit bench --quick", "--workloads", "gsm8k", "--gsm8k-prompts", "2",
+                         "--max-new-tokens", "4", "--out", str(out_dir))
     assert code == 0, err[-2000:]
     result = json.loads((out_dir / "results.json").read_text())
-    assert sorted(r["method"] for r in result["rows"]) == ["ar", "specfit"]
+    assert sorted(r["method"] for r in result["rows"]) == ["ar", "eagle3", "specfit"]
+    assert result["max_new_tokens"] == 4 and all(r["prompts"] == 2 for r in result["rows"])  # given: kept
+    assert all(r["tok_s_spread"] == 0.0 for r in result["rows"])  # one timed prompt: no spread
+    assert (out_dir / "tok_s_vs_slots.png").is_file()
     assert all(r["regime"] == "emulated link + host lane" and r["slots"] == "12" for r in result["rows"])  # the default lane
     assert "[gsm8k] slots 12 of 64, emulated link + host lane (CPU, emulated)" in out

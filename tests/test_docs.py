@@ -40,6 +40,7 @@ def python_keywords() -> set[str]:
     from specfit.evaluation import calibrate, probes
 
     calls = [specfit.enable, specfit.from_pretrained, specfit.configure, specfit.embedded.load, specfit.compare,
+             specfit.embedded.demo_settings,
              calibrate.fit_profile, probes.calibrate, specfit.register_assistant, PreTrainedModel.save_pretrained,
              PreTrainedTokenizerBase.__call__, GenerationMixin.generate, torch.compile]
     names = {p for call in calls for p in inspect.signature(call).parameters}

@@ -12,7 +12,9 @@ from conftest import SelfDrafter, tiny_moe
 import specfit
 from specfit.drafting.tree import DraftTree
 from specfit.evaluation import probes as probes_module
-from specfit.evaluation.probes import ReplayProbe, calibrate, random_subtree, schedule
+from specfit.drafting.tree import random_subtree
+from specfit.evaluation.probes import ReplayProbe, calibrate, schedule
+from specfit.selection.batch_cost import FIXED, BatchCost
 from specfit.selection.route_sources import Cycle
 
 PROMPTS = [torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
@@ -55,6 +57,10 @@ def test_calibration_tells_copies_from_compute_and_recovers_the_emulated_link():
     assert quality["kind"] == "cache-aware" and quality["copy_halfwidth"] < 0.25
     assert quality["pools"] > 0 and 0 <= quality["choice_change_rate"] <= 1
     assert len(quality["intercept_intervals_s"]) == cost.max_nodes + 1 and result.heldout_seconds.shape == (120,)
+    batch = cost.meta["batch"]  # the batch probes: batches of 2 and 4 rows, each cycle's fixed time fitted
+    assert {2, 4} <= set(batch["rows"]) <= {2, 3, 4} and batch["records"] >= 10  # rows finish on their own
+    assert all(batch[k] >= 0 for k in FIXED)
+    assert BatchCost.of(cost).per_row == batch["per_row"]  # what the batch rule prices with
     paper = cost.paper()  # the same probes at the 2 ms link on demand alone: valid at 6 slots and that link only
     assert paper.meta["slots"] == 6 and "2 ms" in paper.meta["link"] and not paper.prices_copies
     # demand and misses vary apart: at a size, subtrees of one demand miss differently and the other way round

@@ -67,10 +67,13 @@ SUBCOMMANDS = {
              "decode a few prompts with AR, EAGLE-3 and SpecFit on the embedded model and compare them",
              "Decode GSM8K and CNN/DailyMail prompts (or your own: --prompt TEXT) with the embedded model (a small "
              "Qwen3-MoE and its EAGLE-3 drafter, shipped with the package) three ways, AR, EAGLE-3 and SpecFit, on "
-             "the CPU with an emulated host link. Prints the text once (all three write the same tokens), a table of "
-             "tok/s, nodes verified per cycle, tokens per cycle and expert copies per token, and per workload the "
-             "verdict: SpecFit against the best other method with the prompt-to-prompt spread of this run. A few "
-             "minutes on a CPU; without the datasets it uses built-in prompts."),
+             "the CPU with an emulated host link and host lane, in specfit.embedded.demo_settings()'s configuration "
+             "(the README's and the notebook's; the header says where flags change it). Prints the text once (all "
+             "three write the same tokens), a table of tok/s, against AR and EAGLE-3, tokens per cycle and expert "
+             "copies per token (--wide: every column of specfit.compare), and per workload the verdict: SpecFit "
+             "against AR and EAGLE-3 with the prompt-to-prompt spread of this run, and its copies per token against "
+             "EAGLE-3's. A few minutes on a CPU; without the datasets it uses built-in prompts. Ctrl-C prints the "
+             "tables of the prompts finished."),
     "bench": ("specfit.evaluation.bench",
               "reproduce the paper's table on the embedded model (slot sweep, two link regimes)",
               "Reproduce the paper's table on the embedded model: AR, EAGLE-3 vanilla, EAGLE-3 and SpecFit (plus "
@@ -89,6 +92,13 @@ SUBCOMMANDS = {
                   "bootstrap intervals, the selector's stability) and installs the profile in the user cache, where "
                   "specfit.enable finds it. A poor fit is refused with the remedy (--force installs it anyway). A few "
                   "minutes on a CPU with the defaults; every option is checked before anything loads."),
+    "estimate": ("specfit.evaluation.estimate",
+                 "print the tok/s each method should reach, from the cost profile, before any decoding",
+                 "Estimate the decode tok/s of AR, EAGLE-3 and SpecFit on the embedded model from the calibrated cost "
+                 "profile (this machine's, else the reference shipped with specfit) and the drafter's acceptance "
+                 "tables, without loading or running the model: a cycle's time a(n) + beta * demand + miss * cold, "
+                 "its tokens 1 + the path values it verifies, under uniform routing (hit rate slots / experts unless "
+                 "--hit-rate). The demo's configuration by default. Then `specfit demo` measures them."),
     "make-fp8": ("specfit.embedded.fp8", "write the embedded model's block-wise FP8 variant to a folder",
                  "Quantize the embedded target's projections to e4m3 with a float32 weight_scale_inv per 8x16 block "
                  "(the hub's FP8 layout; router, norms and embeddings stay bf16). `specfit demo --fp8` and "
@@ -99,6 +109,14 @@ SUBCOMMANDS = {
               "/v1/completions, streaming or not, /v1/models, and each request's SpecFit counters at "
               "/v1/specfit/stats/ID. Requests are served one at a time in arrival order; more than --max-queue "
               "waiting get 429. Needs the serve extra: pip install 'specfit[serve]'. docs/serve.md says more."),
+    "export": ("specfit.export.command",
+               "write a model folder that stock transformers runs with SpecFit (custom_generate)",
+               "Write a model folder (the target's weights, hard-linked where possible, else copied; the drafter; the "
+               "tokenizer; custom_generate/generate.py and SpecFit's settings) that stock transformers runs with "
+               "SpecFit: AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True).generate(...) enables "
+               "SpecFit on the loaded model at its first call, and `transformers serve OUT --trust-remote-code` "
+               "serves it; without trust_remote_code the model is plain. Nothing is loaded: every option is checked "
+               "from the folders' files. docs/export.md says more, and how to push the folder to the Hub."),
     "train-target": ("specfit.training.target", "train the embedded Qwen3-MoE (and its tokenizer) from scratch",
                      "Train the embedded Qwen3-MoE and its tokenizer from scratch on GSM8K and OpenStax text "
                      "(needs the local data folder)."),
@@ -176,6 +194,18 @@ def main(argv=None) -> int:
             raise
         print(f"specfit {name}: error: {err}\n(set SPECFIT_TRACEBACK=1 to see where)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # Ctrl-C: the command kept what it had done and says what, in its message
+        return interrupted(name, err)
+
+
+def interrupted(name: str, err: KeyboardInterrupt) -> int:
+    """Ctrl-C in a command: one line on stderr (what the command kept, when it said so), no traceback (unless
+    ``SPECFIT_TRACEBACK``), and the shell's exit status for SIGINT."""
+    if os.environ.get("SPECFIT_TRACEBACK"):
+        raise err
+    said = " ".join(str(err).split())
+    print(f"\nspecfit {name}: interrupted (Ctrl-C){': ' + said if said else ''}", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 
@@ -142,3 +144,38 @@ def _check_weights_in_memory(model) -> None:
                          f"needs every weight in memory to move the experts to its host store. Load the model without "
                          f"disk or CPU offload (no device_map, or device_map='cpu'), or stream the checkpoint with "
                          f"specfit.from_pretrained(path, cache_slots=...)")
+
+
+def _check_experts(model, num_experts: int) -> None:
+    """A model whose MoE blocks hold no routed expert (a config naming 0) has nothing to offload."""
+    if num_experts < 1:
+        from .offload.config_file import MOE_EXAMPLES
+
+        raise ValueError(f"{type(model).__name__} has no MoE layers (its MoE blocks hold {num_experts} routed "
+                         f"experts); SpecFit offloads the experts of models such as {MOE_EXAMPLES}")
+
+
+def _check_before_load(path_or_id, drafter) -> None:
+    """What ``from_pretrained`` refuses before it reads anything of the target but its config: a local folder's
+    ``config.json`` that is not JSON (named by its path) or names 0 routed experts ("has no MoE layers", as a model
+    without routers is refused from its skeleton); and a drafter given by path or hub id that cannot be found
+    (``drafting/checkpoint_files.locate``: a hub id is fetched now, the drafter's few files, before the target's)."""
+    from .offload.config_file import MOE_EXAMPLES, architecture, read_config, zero_experts
+
+    where = "specfit.from_pretrained"
+    local = Path(path_or_id).expanduser() if isinstance(path_or_id, (str, os.PathLike)) else None
+    if local is not None and (local / "config.json").is_file():
+        config = read_config(local / "config.json", where, str(path_or_id))
+        zero = zero_experts(config)
+        if zero:
+            raise ValueError(f"{where} {str(path_or_id)!r}: {architecture(config)} has no MoE layers (its "
+                             f"config.json names {zero}, no routed expert); SpecFit offloads the experts of models "
+                             f"such as {MOE_EXAMPLES}")
+    if drafter is not None and not isinstance(drafter, torch.nn.Module):
+        from .drafting.checkpoint_files import locate
+
+        try:
+            locate(drafter)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{where}(..., drafter={str(drafter)!r}): {err}; nothing of the target was "
+                                    f"loaded") from None

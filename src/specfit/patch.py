@@ -39,8 +39,9 @@ from .selection.profiles import check_profile_options, checked_cost_model
 from .selection.route_predictor import CONFIG, RoutePredictor
 from .selection.route_sources import choose_route_source
 from .enable_checks import (  # noqa: F401  (_cold_mode: imported from here by tests)
-    DECODING_KEYWORDS, ENABLE_ONLY, FROM_PRETRAINED_KEYWORDS, OPTION_NAMES, _check_keywords, _check_link_device,
-    _check_slots, _check_weights_in_memory, _cold_mode, _decoding_options, _device_of_map, _host_config, _link_config)
+    DECODING_KEYWORDS, ENABLE_ONLY, FROM_PRETRAINED_KEYWORDS, OPTION_NAMES, _check_before_load, _check_experts,
+    _check_keywords, _check_link_device, _check_slots, _check_weights_in_memory, _cold_mode, _decoding_options,
+    _device_of_map, _host_config, _link_config)
 
 
 def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str = "cached",
@@ -77,6 +78,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     layers = hf_layers.moe_layers(model)
     first = layers[0]
     num_experts = first.num_experts
+    _check_experts(model, num_experts)
     _check_slots(cache_slots, num_experts)
     link, host = _link_config(link), _host_config(host)
     device = torch.device(device) if device is not None else model.get_input_embeddings().weight.device
@@ -261,7 +263,9 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
     """Load a checkpoint with its routed experts offloaded; returns the enabled model.
 
     Every argument is checked before any checkpoint byte is read (for a hub id, before anything but ``config.json``
-    is downloaded): keywords, ``cache_slots`` against the model's experts, ``link``, the decoding options.
+    is downloaded): keywords, ``cache_slots`` against the model's experts, ``link``, the decoding options, a
+    ``config.json`` that is not JSON (named by its path) or names no routed expert, and a ``drafter`` that cannot be
+    found.
 
     Args:
         path_or_id: a local checkpoint folder or a hub repo id (e.g. ``"Qwen/Qwen3-30B-A3B"``).
@@ -285,9 +289,12 @@ def from_pretrained(path_or_id, *, cache_slots: int, dtype: torch.dtype | None =
     cold = _cold_mode(enable_kwargs.get("cold"), host, device, None)  # the stored format is checked at enable
     OffloadConfig(cache_slots=cache_slots, cache_mode=enable_kwargs.get("cache_mode", "cached"), link=link, pin=pin,
                   cold=cold, host=host, cache_policy=enable_kwargs.get("cache_policy", policies.DEFAULT))
+    _check_before_load(path_or_id, enable_kwargs.get("drafter"))
 
     def check(skeleton):  # the model without weights, before the checkpoint's shards are read
-        _check_slots(cache_slots, hf_layers.moe_layers(skeleton)[0].num_experts)
+        experts = hf_layers.moe_layers(skeleton)[0].num_experts
+        _check_experts(skeleton, experts)
+        _check_slots(cache_slots, experts)
 
     model, store, device = load_offloaded(path_or_id, dtype=dtype, device=device, revision=revision, pin=pin,
                                           check=check)

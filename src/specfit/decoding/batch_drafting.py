@@ -23,15 +23,38 @@ from ..transfer import Staging, to_host
 
 def draft_rows(gens, cycles) -> list[DraftTree]:
     """Every row's pool this cycle (``gens``: the rows' tree generators, ``cycles``: their cycles), drafting in one
-    drafter forward per step for all rows that draft."""
+    drafter forward per step for all rows that draft. A row whose generator set its route head aside
+    (``route_after``: SpecFit's way in a batch) drafts its levels as EAGLE-3 does, and its whole pool is routed after
+    the levels, with the other such rows, in one more forward (``route_pools``)."""
     trees: list[DraftTree | None] = [gen.begin_draft(cycle) for gen, cycle in zip(gens, cycles)]
     rows = [r for r, tree in enumerate(trees) if tree is None]  # rows that draft levels now
     if rows:
         catch_up([gens[r] for r in rows])
         drafters = [gens[r].drafter for r in rows]
-        for i, tree in _levels(drafters, lambda i, tree: gens[rows[i]].level_drafted(tree, cycles[rows[i]])):
+        drafted = dict(_levels(drafters, lambda i, tree: gens[rows[i]].level_drafted(tree, cycles[rows[i]])))
+        later = [i for i in drafted if getattr(gens[rows[i]], "route_after", None) is not None]
+        if later:
+            route_pools([drafters[i] for i in later], gens[rows[later[0]]].route_after)
+        for i, tree in drafted.items():
             trees[rows[i]] = gens[rows[i]].end_draft(tree)
     return trees
+
+
+def route_pools(drafters: list[TreeDrafter], head) -> None:
+    """Every node's and every root's routes by ``head`` (states [n, H] -> bool routes [n, L, E] on the device), for
+    pools drafted without it: the nodes no level processed go through one drafter forward first (every row's at
+    once), then one head call over all states and one transfer."""
+    todo = [[v for v in range(len(d.tree)) if v not in d._out] for d in drafters]
+    if any(todo):
+        _process(drafters, todo)
+    sizes = [len(d.tree) for d in drafters]
+    states = [torch.stack([d.root_state for d in drafters])]  # [R, H]
+    states += [torch.stack([d._out[v][1] for v in range(n)]) for d, n in zip(drafters, sizes) if n]  # [n, H] each
+    routes, = to_host(head(torch.cat(states)))  # [R + sum n, L, E] host
+    start = len(drafters)
+    for r, (d, n) in enumerate(zip(drafters, sizes)):
+        d.keep_routes(list(range(n)), routes[start:start + n], routes[r])
+        start += n
 
 
 def catch_up(gens) -> None:

@@ -100,8 +100,12 @@ def decode_batch(model, assistant, input_ids, logits_processor, stopping_criteri
             accs.append(acc)
         kept = [[0] + acc.path for acc in accs]
         most = max(len(k) for k in kept)
-        keep_d = staging.to_device([k + [0] * (most - len(k)) for k in kept])  # [B, M]
-        batch_kv.keep_rows_kv(cache, kv, keep_d)  # 5. compact every row to its path; the rest become holes
+        prefix = all(k == list(range(len(k))) for k in kept)  # every path a prefix of its layout: no entry moves
+        if prefix:  # 5. keep every row's path; the rest become holes (a prefix needs only a crop)
+            kv_cache.crop_kv(cache, kv + most, current=kv + q)
+        else:
+            keep_d = staging.to_device([k + [0] * (most - len(k)) for k in kept])  # [B, M]
+            batch_kv.keep_rows_kv(cache, kv, keep_d)
         held = torch.arange(most, device=valid.device)[None] < torch.tensor([len(k) for k in kept])[:, None].to(
             valid.device)  # [B, M]
         valid, kv = torch.cat([valid, held], dim=1), kv + most
@@ -111,15 +115,17 @@ def decode_batch(model, assistant, input_ids, logits_processor, stopping_criteri
             committed.append(runs[b].commit(accs[i]))
             lengths[b] += len(kept[i])
             if not runs[b].done:
-                trees.observe(b, features[i:i + 1].index_select(1, keep_d[i, :len(kept[i])]),
-                                      staging.to_device([accs[i].tokens]))
+                row = features[i:i + 1, :len(kept[i])] if prefix else \
+                    features[i:i + 1].index_select(1, keep_d[i, :len(kept[i])])  # [1, m, 3H]
+                trees.observe(b, row, staging.to_device([accs[i].tokens]))
         seconds = time.perf_counter() - t0
-        trees.timed(active, seconds, verify, committed)
+        counts = trees.timed(active, seconds, verify, committed)
         scope.cycle(pool=trees.pool, verified=sum(len(n) for _, n in chosen), committed=sum(committed),
                     demand=verify.demand, misses=verify.misses, seconds=seconds,
                     measurement=sum(c.measurement_seconds for c in cycles), draft_seconds=t_drafted - t0,
-                    expected=trees.expected, predicted=trees.predicted, host=verify.host_experts,
-                    counts={"batch_row_cycles": len(active)})
+                    expected=trees.expected, predicted=trees.predicted, host=verify.host_experts, counts=counts,
+                    way=trees.ways.way if trees.ways is not None else "", row_nodes=trees.row_nodes,
+                    row_levels=trees.row_levels)
         active, valid = _leave(cache, runs, active, valid)
 
     scope.end(new_tokens=sum(run.length - prompt for run in runs))

@@ -7,18 +7,19 @@ import numpy as np
 import torch
 
 from ..drafting.tree import DraftTree
-from ..selection.batch_rule import RowPool, fixed_time, select_batch
 from ..drafting.drafter import Eagle3Drafter
-from .assistants import Backoff, Eagle3Generator, SpecFitGenerator
+from ..selection.batch_rule import RowPool, select_batch
 from .batch_drafting import draft_rows
-
-
-EXTRA_RATE = 0.3  # weight of the newest cycle in the learned unexplained seconds
+from .batch_ways import BatchWays
+from .learned_state import Backoff
+from .specfit_generator import SpecFitGenerator
+from .tree_generators import Eagle3Generator
 
 
 class RowTrees:
     """One generator per prompt row (``assistant(model)``), each drafting from its own committed tokens; the
-    drafter module is shared (its per-row state is the row's ``TreeDrafter`` cache)."""
+    drafter module is shared (its per-row state is the row's ``TreeDrafter`` cache). SpecFit's rows run every cycle
+    one way, the batch's (``batch_ways.py``), and are priced together by the batch rule."""
 
     def __init__(self, model, assistant, rows: int):
         self.runtime = model.specfit
@@ -28,21 +29,29 @@ class RowTrees:
         # (and a generator that drafts by its three steps, not its own ``draft``)
         self.batched = isinstance(self.runtime.drafter, Eagle3Drafter) and all(
             isinstance(g, Eagle3Generator) and type(g).draft is Eagle3Generator.draft for g in self.gens)
-        self.batch_rule = all(isinstance(g, SpecFitGenerator) for g in self.gens)
-        for gen in self.gens:
-            if isinstance(gen, SpecFitGenerator):
-                gen.guard = None  # the guard learns one row's clock; a batch cycle's clock is every row's
+        self.ways = None  # SpecFit's rows: the batch's way per cycle, its forecast and what its clock teaches
+        if all(isinstance(g, SpecFitGenerator) for g in self.gens):
+            for gen in self.gens:
+                gen.guard = None  # the batch's guard picks every row's way (batch_ways.py)
                 # each row its own backoff, for this call: rows sharing the runtime's would each call skip() once
                 # per cycle (shortening its skips R-fold, rows disagreeing) and leave it wrong for batch-1 calls
                 gen.backoff = Backoff()
                 # a row's own winner is not what the batch verifies (the batch rule re-chooses): rows prefetching
                 # their own winners would fight over the same slots
                 gen.prefetch = False
+                gen.together = self.batched  # drafted together: SpecFit's way at EAGLE-3's price (batch_drafting)
+            first = self.gens[0]
+            top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None) or 1
+            self.ways = BatchWays(self.runtime, first.refresh.base if first.refresh is not None else first.cost,
+                                  first.cost, len(self.runtime.layers), int(top_k))
         self.pool, self.expected, self.predicted = 0, 0.0, None
         self.last = None  # the batch rule's last BatchSelection
-        # seconds per batch cycle the profile does not explain (every row's drafting, selection and bookkeeping in
-        # Python), learned from the clock of the cycles the batch rule priced and charged as fixed time
-        self.extra, self._priced = 0.0, None
+        self.row_nodes: tuple[int, ...] = ()  # draft nodes each row in flight verifies this cycle
+        self.row_levels: tuple[int, ...] = ()  # levels each row in flight drafted this cycle
+        # a generator may bring its own batch rule and way (calibrate's batch probes: scheduled subtrees, SpecFit's
+        # way every cycle); else the batch rule, and the guard's way
+        self.rule = getattr(self.gens[0], "batch_rule", None) or select_batch
+        self._priced = None  # (rows, nodes, levels, drafted, (demand, cold)): what this cycle's forecast priced
 
     def start(self, b: int, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Row b's prompt pairs: drafted together, they wait for the next cycle's one catch-up forward for every
@@ -61,42 +70,50 @@ class RowTrees:
 
     def draft_and_select(self, active: list[int], cycles) -> list[tuple[DraftTree, tuple[int, ...]]]:
         """Every active row's pool and the subtree of it to verify: each row's generator decides alone (EAGLE-3),
-        or, with SpecFit's, the batch rule re-chooses every row's subtree against the batch's union."""
+        or, with SpecFit's, the cycle runs the batch's way: plain (no row drafts), EAGLE-3's, or SpecFit's (the batch
+        rule re-chooses every row's subtree against the batch's union)."""
         gens = [self.gens[b] for b in active]
-        if self.batched:  # one drafter forward per step for every row
-            trees = draft_rows(gens, cycles)
+        way = self.ways.choose(len(active), getattr(gens[0], "batch_way", None)) if self.ways is not None else None
+        if way == "plain":  # no row drafts: their committed pairs wait for the next drafted cycle
+            for gen in gens:
+                gen.arm, gen.nodes, gen.levels, gen.expected_tokens = "plain", (), 0, 1.0
+            chosen = [(DraftTree(), ()) for _ in gens]
         else:
-            trees = [gen.draft(cycle) for gen, cycle in zip(gens, cycles)]
-        chosen = [(tree, tuple(sorted(gen.select(tree, cycle)))) for gen, tree, cycle in zip(gens, trees, cycles)]
+            for gen in gens if way is not None else ():
+                gen.way = way
+            if self.batched:  # one drafter forward per step for every row
+                trees = draft_rows(gens, cycles)
+            else:
+                trees = [gen.draft(cycle) for gen, cycle in zip(gens, cycles)]
+            chosen = [(tree, tuple(sorted(gen.select(tree, cycle)))) for gen, tree, cycle in zip(gens, trees, cycles)]
         self.pool = sum(len(tree) for tree, _ in chosen)
-        self.expected = sum(self.gens[b].expected_tokens for b in active)
+        self.expected = sum(gen.expected_tokens for gen in gens)
         self.predicted = None
-        if self.batch_rule and len(active) > 1 and any(len(tree) for tree, _ in chosen):
-            chosen = self._batch_rule(active, cycles, chosen)
-        elif self.batch_rule:
-            self.predicted = self._predict_roots(active)
+        self.row_levels = tuple(getattr(gen, "levels", 0) if len(tree) else 0 for gen, (tree, _) in zip(gens, chosen))
+        if self.ways is None:
+            self.row_nodes = tuple(len(nodes) for _, nodes in chosen)
+            return chosen
+        drafting = [gen for gen, (tree, _) in zip(gens, chosen) if len(tree)]
+        levels, drafted = max((g.levels for g in drafting), default=0), sum(g.levels for g in drafting)
+        if way == "specfit" and drafting:
+            chosen = self._batch_rule(gens, cycles, chosen, levels, drafted)
+            for gen, (tree, nodes) in zip(gens, chosen):
+                if len(tree):  # the row's backoff learns whether the batch took its tree; its next depth follows
+                    gen.backoff.record(paid=bool(nodes))
+                    gen.batch_depth = max(1, min(gen.depth, 1 + max((tree.depths[v] for v in nodes), default=0)))
+        else:
+            nodes = sum(len(n) for _, n in chosen)
+            self.predicted, demand, cold = self.ways.forecast(len(active), nodes, levels, drafted)
+            self._priced = (len(active), nodes, levels, drafted, (demand, cold))
+        self.row_nodes = tuple(len(nodes) for _, nodes in chosen)
         return chosen
 
-    def _predict_roots(self, active) -> float | None:
-        """The forecast of a cycle the batch rule did not price: one row left (its own forecast), or every row
-        verifying its root alone (a plain batch step: the roots' fixed time, with the demand and cold experts of the
-        batch's last forward, which each row's generator keeps as its root's)."""
-        gen = self.gens[active[0]]
-        if len(active) == 1:
-            return gen.predicted_seconds
-        cost = gen.cost
-        intercepts = cost.at_levels(0).intercepts if cost.draft_levels else cost.intercepts
-        demand, misses = gen._root
-        return fixed_time(intercepts, len(active)) + cost.beta * demand + cost.miss * misses
-
-    def _batch_rule(self, active, cycles, chosen):
-        """Every row's pool, values and routes priced together (``selection/batch_rule.py``); the slot caches'
-        forecast is every row's pool."""
+    def _batch_rule(self, gens, cycles, chosen, levels: int, drafted: int):
+        """Every row's pool, values and routes priced together (``selection/batch_rule.py``) by the batch cost
+        model at the levels the rows drafted; the slot caches' forecast is every row's pool."""
         pools, values_all, routes_all = [], [], []
-        gens = [self.gens[b] for b in active]
-        levels = max(g.levels for g in gens)
         for gen, cycle, (tree, _) in zip(gens, cycles, chosen):
-            if not len(tree):  # this row skipped drafting (its backoff): it verifies its root alone
+            if not len(tree):  # this row drafted nothing (its backoff): it verifies its root alone
                 pools.append(None)
                 continue
             node_routes, root_routes = gen.routes(cycle, tree)  # [N, L, E], [L, E] (host, kept by the drafter)
@@ -107,26 +124,29 @@ class RowTrees:
         shape = next(p.root_routes.shape for p in pools if p is not None)
         pools = [p if p is not None else RowPool([], [], np.zeros((0, *shape), bool), np.zeros(shape, bool), 0)
                  for p in pools]
-        cost = gens[0].cost
-        drafting = cost.drafting_seconds(levels) if cost.draft_levels and levels else 0.0
-        base = cost.at_levels(levels).intercepts if cost.draft_levels and levels else cost.intercepts
-        intercepts = [a + (0 if self.batched else (len(active) - 1) * drafting) + self.extra
-                      for a in base]  # drafted together: one drafter forward per level for every row
+        cost, rows = self.ways.cost, len(gens)
+        intercepts = cost.tokens_table(rows, sum(p.max_nodes for p in pools), levels, drafted)
         resident = self.runtime.resident_mask() if cost.miss else None
-        self.last = pick = select_batch(pools, intercepts, cost.beta, cost.miss, resident)
+        self.last = pick = self.rule(pools, intercepts, cost.beta, cost.miss, resident)
         self.runtime.expect_tree(values_all, np.concatenate(routes_all))  # the forecast: every row's pool
         self.expected, self.predicted = pick.expected_tokens, pick.predicted_time
-        self._priced = pick.predicted_time - self.extra  # the profile's part, which the residual is learned against
+        self._priced = (rows, sum(len(n) for n in pick.nodes), levels, drafted, (pick.demand, pick.misses))
         return [(tree, nodes) for (tree, _), nodes in zip(chosen, pick.nodes)]
 
-    def timed(self, active, seconds, forward, committed) -> None:
-        """A batch cycle's clock belongs to every row at once: no row's cost model learns from it; the batch rule
-        learns what its forecast left out, per cycle (a decayed mean of clock minus forecast, at least 0)."""
-        if self._priced is not None:
-            residual = seconds - self._priced
-            self.extra = max(0.0, residual if self.extra == 0.0 else (1 - EXTRA_RATE) * self.extra +
-                             EXTRA_RATE * residual)
-        self._priced = None
+    def timed(self, active, seconds: float, forward, committed: list[int]) -> dict:
+        """A batch cycle's clock belongs to every row at once: no row's cost model learns from it; the batch's guard
+        learns it under the way it ran, and the batch cost model from what its forecast priced. Returns the
+        ``Counters`` fields it counts."""
+        counts = {"batch_row_cycles": len(active)}
+        if self.ways is None:
+            return counts
+        rows, nodes, levels, drafted, priced = self._priced
+        self.ways.learn(rows, nodes, levels, drafted, priced, forward, sum(committed), seconds)
+        way = self.ways.way
+        counts["guard_eagle_cycles" if way == "eagle3" else f"{way}_cycles"] = 1
+        if way == "specfit":
+            counts["plain_row_cycles"] = sum(1 for b in active if self.gens[b].arm == "plain")
+        return counts
 
 
 def pad_token(config) -> int:

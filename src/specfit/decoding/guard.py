@@ -72,6 +72,7 @@ class Guard:
         # per arm, decayed sums over its cycles: weight (cycles), t, s, t^2, t s, s^2
         self.sums = {arm: [0.0] * 6 for arm in self.arms}
         self.cycles = {arm: 0 for arm in self.arms}  # cycles run, undiscounted
+        self.warmed = False  # warm-up and trials done elsewhere (``seeded``): this guard compares from its first cycle
         self.explored = 0  # cycles recorded on an arm slower than the best, after every arm's trials
         self.explored_seconds = 0.0  # their wall clock
         self.seconds = 0.0  # wall clock of every recorded cycle, undiscounted
@@ -90,16 +91,18 @@ class Guard:
 
     def best(self) -> str | None:
         """The arm of the highest rate, once every arm has run its trials (None before)."""
-        if self.cycles[self.arms[0]] < self.warmup or any(self.cycles[a] < self.trials for a in self.arms[1:]) \
-                or any(self.sums[a][2] <= 0.0 for a in self.arms):
+        if not self.warmed and (self.cycles[self.arms[0]] < self.warmup
+                                or any(self.cycles[a] < self.trials for a in self.arms[1:])):
+            return None
+        if any(self.sums[a][2] <= 0.0 for a in self.arms):
             return None
         return max(self.arms, key=lambda arm: (self.rate(arm), -self.arms.index(arm)))
 
     def choose(self) -> str:
         """The arm for the next cycle."""
-        if self.cycles[self.arms[0]] < self.warmup:
+        if not self.warmed and self.cycles[self.arms[0]] < self.warmup:
             return self.arms[0]
-        fresh = [arm for arm in self.arms[1:] if self.cycles[arm] < self.trials] \
+        fresh = ([] if self.warmed else [arm for arm in self.arms[1:] if self.cycles[arm] < self.trials]) \
             or [arm for arm in self.arms if self.sums[arm][2] <= 0.0]
         if fresh:
             return fresh[0]
@@ -117,6 +120,26 @@ class Guard:
             if optimistic > rates_best and optimistic > top:
                 chosen, top = arm, optimistic
         return chosen
+
+    def seeded(self, other: "Guard", weight: float = 2.0) -> "Guard":
+        """This guard, starting from what ``other`` learned (each arm's rate, at most ``weight`` cycles' worth of
+        evidence; once ``other`` was past its warm-up and trials, this one is too, while ``cycles`` still counts the
+        cycles it ran): a batch that changes size starts from the guard of its nearest size, and its own clock soon
+        outweighs the seed.
+
+        >>> a = Guard(warmup=1, trials=1)
+        >>> for arm, rate in (("specfit", 1.0), ("eagle3", 1.0), ("plain", 3.0)):
+        ...     a.record(arm, tokens=rate, seconds=1.0)
+        >>> b = Guard(warmup=1, trials=1).seeded(a)
+        >>> b.choose(), round(b.rate("plain"), 6), b.sums["plain"][0] <= 2.0, b.cycles["plain"]
+        ('plain', 3.0, True, 0)
+        """
+        for arm in self.arms:
+            sums = other.sums[arm]
+            scale = min(1.0, weight / sums[0]) if sums[0] > 0 else 0.0
+            self.sums[arm] = [scale * x for x in sums]
+        self.warmed = other.warmed or other.best() is not None
+        return self
 
     def record(self, arm: str, tokens: float, seconds: float) -> None:
         """One cycle run ``arm``'s way: its committed tokens and wall clock; every earlier cycle decays."""

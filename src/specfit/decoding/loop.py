@@ -184,7 +184,7 @@ def decode(model, assistant, input_ids, logits_processor, stopping_criteria, gen
         scope.cycle(pool=len(tree), verified=len(nodes), committed=committed, demand=verify.demand,
                     misses=verify.misses, seconds=seconds, measurement=cycle.measurement_seconds,
                     draft_seconds=t_drafted - t0, expected=gen.expected_tokens, predicted=gen.predicted_seconds,
-                    host=verify.host_experts, counts=counts)
+                    host=verify.host_experts, counts=counts, way=getattr(gen, "arm", ""))
 
     kv_cache.crop_kv(cache, run.length - 1, current=kv)  # tokens cut by the stopping criteria leave no KV behind
     scope.end(new_tokens=run.length - input_ids.shape[1])

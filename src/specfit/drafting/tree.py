@@ -11,6 +11,8 @@ index ``j + 1`` is ``nodes[j]``.
 
 from __future__ import annotations
 
+import random
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,3 +128,17 @@ def tree_mask(ancestors: torch.Tensor, base: int, kv_len: int, dtype: torch.dtyp
     mask[:, :base] = 0
     mask[:, base:base + n].masked_fill_(ancestors.bool(), 0)
     return mask
+
+
+def random_subtree(parents, size: int, rng: random.Random) -> tuple[int, ...]:
+    """An ancestor-closed subset of ``size`` pool nodes, grown from the root by adding random frontier nodes."""
+    children = [[] for _ in parents]
+    frontier = []
+    for v, p in enumerate(parents):
+        (frontier if p < 0 else children[p]).append(v)
+    chosen: list[int] = []
+    while len(chosen) < size and frontier:
+        v = frontier.pop(rng.randrange(len(frontier)))
+        chosen.append(v)
+        frontier += children[v]
+    return tuple(sorted(chosen))

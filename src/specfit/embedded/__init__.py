@@ -33,6 +33,9 @@ HOST_TO_LINK = 2.5
 HOST_OVERHEAD = 22 / 149
 HOST_PER_TOKEN = (2.2 - 1.9) / 31 / 1.87
 
+# the demo's slots per layer (of 64): where copies dominate, as the paper's 24 of 128 (``demo_settings``)
+DEMO_SLOTS = 12
+
 
 class ThreadsNotice(UserWarning):
     """torch's CPU thread count would slow the embedded model down (issued once per process)."""
@@ -92,6 +95,12 @@ def _load_call(cache_slots: int, drafter: bool, fp8: bool, enable_kwargs: dict) 
                     f"link=specfit.embedded.default_link({link.relative!r})")
     elif link is not None:
         args.append(f"link={link!r}" if isinstance(link, (int, float)) else f"link=specfit.{link!r}")
+    host = enable_kwargs.get("host")
+    if host is not None and getattr(host, "relative", None) is not None and getattr(link, "relative", None):
+        beside = "" if link.relative == 1 else f", specfit.embedded.default_link({link.relative!r})"
+        args.append(f"host=specfit.embedded.default_host({host.relative!r}{beside})")
+    elif host is not None:
+        args.append(f"host={host!r}" if isinstance(host, (int, float)) else f"host=specfit.{host!r}")
     if enable_kwargs.get("cache_mode", "cached") != "cached":
         args.append(f"cache_mode={enable_kwargs['cache_mode']!r}")
     return f"model, tokenizer = specfit.embedded.load({', '.join(args)}, {{dtype}})"
@@ -129,11 +138,47 @@ def advise_threads(threads: int) -> None:
 def default_link_seconds(refresh: bool = False) -> float:
     """Seconds per expert copy of the emulated host link the demo and the bench use by default: 1.4 x (one token's
     compute with every expert resident) / (layers x top-k), so that, as on the paper's A100, copying a token's full
-    expert demand costs 1.4x its compute on this machine. Measured once per machine and thread count (the fastest
-    of interleaved rounds of decode forwards) and kept in the user cache (``link_store``), so runs on one machine
-    compare; ``refresh=True`` (``specfit calibrate``) measures and keeps it again; ``token_compute_seconds()`` gives
-    the compute it was derived from."""
+    expert demand costs 1.4x its compute on this machine. Measured once per machine, thread count and weights (each
+    part of a forward at its fastest over many forwards: ``fastest_forward_seconds``, which a busy core does not
+    move) and kept in the user cache (``link_store``), so runs on one machine compare; ``refresh=True`` (``specfit
+    calibrate``, ``recheck_default_link``) measures and keeps it again; ``token_compute_seconds()`` gives the
+    compute it was derived from and ``default_link_note()`` says where it is kept."""
     return _measured_link(refresh)[0]
+
+
+def recheck_default_link() -> tuple[tuple[float, float] | None, tuple[float, float]]:
+    """Measure the default link again and keep the new figure in place of the kept one (``specfit calibrate`` does,
+    before it fits the profile the link is priced under): (the kept (seconds per copy, compute) before, or None;
+    the new one)."""
+    import torch
+
+    from . import link_store
+
+    before = link_store.read(link_store.key(torch.get_num_threads(), TARGET_DIR / "model.safetensors"))
+    return before, _measured_link(True)
+
+
+def default_link_known() -> bool:
+    """Whether the default link is known without measuring it: measured in this process, or kept for this machine."""
+    import torch
+
+    from . import link_store
+
+    threads = torch.get_num_threads()
+    return threads in _link or link_store.read(link_store.key(threads, TARGET_DIR / "model.safetensors")) is not None
+
+
+def default_link_note() -> str:
+    """How the default link was set, for a run's header: the rule, the compute it scales, when it was measured,
+    where it is kept and how to measure it again."""
+    import torch
+
+    from . import link_store
+
+    entry = link_store.read_entry(link_store.key(torch.get_num_threads(), TARGET_DIR / "model.safetensors")) or {}
+    when = f"measured {entry['measured'][:10]}" if entry.get("measured") else "measured now"
+    return (f"default: 1.4 x one token's compute ({token_compute_seconds() * 1e3:.2f} ms, {when} on this machine, "
+            f"kept in {link_store.path()}; `specfit calibrate` measures it again) / (layers x top-k)")
 
 
 def default_link(ratio: float = 1.0):
@@ -146,6 +191,20 @@ def default_link(ratio: float = 1.0):
     if ratio == 0:
         return None
     return LinkConfig(bandwidth=bf16_expert_bytes() / (ratio * default_link_seconds()), relative=ratio)
+
+
+def demo_settings(cache_slots: int = DEMO_SLOTS, link_ratio: float = 1.0, host_ratio: float = HOST_TO_LINK) -> dict:
+    """The one configuration ``specfit demo``, the README's snippet and table, and the quickstart notebook and
+    script run, as ``load``'s keywords (``load(**demo_settings())``): ``cache_slots`` expert slots per layer, the
+    structural default link at ``link_ratio`` x its time per copy (0: no link) and beside it the structural default
+    host lane at ``host_ratio`` x the link's bandwidth (0: no lane, every cold expert copied; with no link there is
+    no lane either, as the lane is scaled to the link). Emulated on a CPU: figures with it are not GPU speed."""
+    for name, value in (("link_ratio", link_ratio), ("host_ratio", host_ratio)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ValueError(f"demo_settings: {name} must be a finite number >= 0 (0: none), got {value!r}")
+    link = default_link(link_ratio)
+    host = default_host(host_ratio, link) if link is not None and host_ratio > 0 else None
+    return dict(cache_slots=cache_slots, link=link, host=host)
 
 
 def default_host(ratio: float = HOST_TO_LINK, link=None):
@@ -223,31 +282,51 @@ def _measured_link(refresh: bool) -> tuple[float, float]:
     return _link[key]
 
 
-def fastest_forward_seconds(model, ids, rounds: int = 5, per_round: int = 8) -> float:
-    """One decode forward after ``ids``: the fastest of ``rounds`` rounds, each the median of ``per_round`` forwards
-    (the fastest round is the one least disturbed by whatever else the machine runs)."""
-    import statistics
+def fastest_forward_seconds(model, ids, forwards: int = 40) -> float:
+    """One decode forward after ``ids``, its compute alone: the sum over the forward's parts (each decoder layer, and
+    the rest: embeddings, final norm, head) of that part's fastest time over ``forwards`` forwards. One part takes
+    about a millisecond, so most of its runs fit between two moments another process takes the core, and its fastest
+    run is its compute: a busy machine does not decide the figure (whole forwards, timed whole, read 3-5x slower
+    with the other core busy; the fastest parts stayed within a few percent)."""
+    import math
     import time
 
     import torch
     from transformers import DynamicCache
 
+    from ..seam.layers import decoder_layers
+
+    layers = list(decoder_layers(model))
+    fastest = [math.inf] * (len(layers) + 1)  # each decoder layer's fastest run, then the rest of the forward's
+    began, took = {}, [0.0] * len(layers)
+
+    def before(i):
+        return lambda module, args: began.__setitem__(i, time.perf_counter())
+
+    def after(i):
+        return lambda module, args, out: took.__setitem__(i, time.perf_counter() - began[i])
+
+    hooks = [layer.register_forward_pre_hook(before(i)) for i, layer in enumerate(layers)]
+    hooks += [layer.register_forward_hook(after(i)) for i, layer in enumerate(layers)]
     cache = DynamicCache(config=model.config)
     token = ids[:, -1:]
-    with torch.no_grad():
-        model(ids, cache=cache, use_cache=True)
-        model(token, cache=cache, use_cache=True)  # warm-up
-        cache.crop(-1)
-        medians = []
-        for _ in range(rounds):
-            times = []
-            for _ in range(per_round):
+    try:
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+            model(token, cache=cache, use_cache=True)  # warm-up
+            cache.crop(-1)
+            for _ in range(forwards):
                 t0 = time.perf_counter()
                 model(token, cache=cache, use_cache=True)
-                times.append(time.perf_counter() - t0)
+                whole = time.perf_counter() - t0
                 cache.crop(-1)
-            medians.append(statistics.median(times))
-    return min(medians)
+                for i, seconds in enumerate(took):
+                    fastest[i] = min(fastest[i], seconds)
+                fastest[-1] = min(fastest[-1], max(0.0, whole - sum(took)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(fastest)
 
 
 def _num_experts() -> int:

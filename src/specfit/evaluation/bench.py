@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -47,6 +48,11 @@ from .demo import host_lane, host_line
 SLOTS = ("24", "12", "6", "none")
 REGIMES = ("no-link", "emulated")
 MAX_PROMPT_TOKENS = 450
+# --quick: one cell of the table, the demo's three methods, a few short prompts (each option only where not given)
+QUICK = dict(cnn_prompts=3, gsm8k_prompts=3, max_new_tokens=16, slots=["12"], regimes=["emulated"],
+             methods=["ar", "eagle3", "specfit"])
+QUICK_SAID = ("3 prompts per workload (the first untimed)", "16 new tokens", "12 slots", "the emulated link only",
+              "AR, EAGLE-3 and SpecFit")
 
 
 def add_arguments(p) -> None:
@@ -68,8 +74,9 @@ def add_arguments(p) -> None:
                         f"deployable routes, plus SpecFit with the paper's reward instead of calibrated acceptance, "
                         f"and SpecFit with exact routes from the oracle, the paper's measurement device)")
     p.add_argument("--link-ms", type=float, default=None,
-                   help="emulated link: ms per expert copy (default: measured at start so that a token's full expert "
-                        "demand costs 1.4x its compute, as on the paper's A100)")
+                   help="emulated link: ms per expert copy (default: the structural default link, a token's full "
+                        "expert demand at 1.4x its compute as on the paper's A100: measured on this machine's first "
+                        "run, then kept in the user cache; `specfit calibrate` measures it again)")
     p.add_argument("--host-ratio", type=float, default=None, metavar="RATIO",
                    help="the emulated-link regime's host lane: the host reads experts RATIO x as fast as the link "
                         "copies them (default 2.5, a PCIe 4.0 host: specfit.embedded.default_host; every method "
@@ -92,7 +99,9 @@ def add_arguments(p) -> None:
                    help="slot counts of the host axis")
     p.add_argument("--out", default="bench-results", help="folder for results.json and tok_s_vs_slots.png")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
-    p.add_argument("--quick", action="store_true", help="4 prompts per workload, 32 new tokens (a smoke run)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run of a minute or two: " + ", ".join(QUICK_SAID) + " (options given on the command "
+                        "line keep their values)")
     p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
 
 
@@ -117,6 +126,18 @@ def check_arguments(args) -> None:
     cli_checks.writable(args.out, "--out")
 
 
+def quick(args) -> None:
+    """``--quick``: ``QUICK``'s settings for every option left at its default (those given keep their values)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    for name, value in QUICK.items():
+        if getattr(args, name) == getattr(defaults, name):
+            setattr(args, name, list(value) if isinstance(value, list) else value)
+
+
 def main(args) -> int:
     import torch
 
@@ -124,10 +145,10 @@ def main(args) -> int:
     from .. import embedded
 
     torch.set_num_threads(args.threads)
+    if args.quick:
+        quick(args)
     if args.methods is None:
         args.methods = list(PAPER_METHODS) + ["prompt-lookup", "specfit-paper", "specfit-oracle", ORACLE]
-    if args.quick:
-        args.cnn_prompts, args.gsm8k_prompts, args.max_new_tokens = 4, 4, 32
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -158,11 +179,18 @@ def main(args) -> int:
                   host_lane=host.label if host else None,
                   host_ms=host.expert_time(embedded.bf16_expert_bytes(), 1) * 1e3 if host else None,
                   note="CPU; 'emulated link' rows use an emulated host-to-device link (and host lane), not GPU speed")
-    if not args.map_only:
-        result.update(_main_table(args, workloads, tokenizer, link, out_dir, host))
-    if args.map or args.map_only:
-        result["map"] = regime_map.run(args, workloads, link, ratio, out_dir, prepare=lambda model, method: (
-            _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
+    try:
+        if not args.map_only:
+            result.update(_main_table(args, workloads, tokenizer, link, out_dir, host))
+        if args.map or args.map_only:
+            result["map"] = regime_map.run(args, workloads, link, ratio, out_dir, prepare=lambda model, method: (
+                _ensure_profile(model, tokenizer) if method.assistant == "specfit" else None))
+    except KeyboardInterrupt as stop:  # Ctrl-C: the cells measured so far are written, and said in one line
+        result.update(getattr(stop, "partial", {}), interrupted=True, wall_seconds=time.time() - started)
+        (out_dir / "results.json").write_text(json.dumps(result, indent=2))
+        cells = getattr(stop, "cells", None)
+        done = f"after {cells[0]} of {cells[1]} cells of the table" if cells else "during the regime map"
+        raise KeyboardInterrupt(f"{done}; the rows of the cells finished are in {out_dir / 'results.json'}") from None
     result["wall_seconds"] = time.time() - started
     (out_dir / "results.json").write_text(json.dumps(result, indent=2))
     print(f"\nresults: {out_dir / 'results.json'}")
@@ -170,12 +198,40 @@ def main(args) -> int:
 
 
 def _main_table(args, workloads, tokenizer, link, out_dir: Path, host=None) -> dict:
-    from tqdm.auto import tqdm
-
     regimes = {r: (link if r == "emulated" else None) for r in args.regimes}  # the host lane beside the link only
     rows = []
     logs, cells = {}, []  # the SpecFit row's labelled children: per workload, and a summary per cell
     total_runs = len(regimes) * len(args.slots) * sum(len(p) for p in workloads.values())
+    total_cells = len(regimes) * len(args.slots) * len(workloads)
+    spread = {}  # (regime, workload, slots, method) -> standard deviation of its calls' decode tok/s
+    try:
+        _cells(args, workloads, tokenizer, link, host, regimes, total_runs, rows, logs, cells, spread)
+    except KeyboardInterrupt:
+        stop = KeyboardInterrupt()
+        finished = len({(r.regime, r.workload, r.slots) for r in rows})
+        stop.partial, stop.cells = dict(rows=[r.as_dict() for r in rows]), (finished, total_cells)
+        raise stop from None
+    print(_report(rows, args))
+    print("\n".join(LEGEND))
+    calibration = {w: reliability.summary(log) for w, log in logs.items()}
+    for w, summary in calibration.items():
+        print(reliability.describe(f"[{w}] SpecFit, all cells", summary))
+    print()
+    print(paper_table())
+    _plot(rows, out_dir / "tok_s_vs_slots.png", spread)
+    if logs:
+        reliability.plot(logs, out_dir / "reliability.png")
+    return dict(rows=[dict(r.as_dict(), tok_s_spread=spread.get((r.regime, r.workload, r.slots, r.method)))
+                      for r in rows], specfit_over_oracle=oracle_fractions(rows),
+                acceptance_calibration=dict(workloads=calibration, cells=cells))
+
+
+def _cells(args, workloads, tokenizer, link, host, regimes, total_runs, rows, logs, cells, spread) -> None:
+    """Every cell of the table (regime x slots x workload), appending its rows, acceptance logs and summary, and
+    each row's spread over prompts (standard deviation of the decode tok/s of its calls), as it finishes (what
+    Ctrl-C keeps)."""
+    from tqdm.auto import tqdm
+
     with tqdm(total=total_runs, desc="bench", unit="prompt") as bar:
         for regime, link in regimes.items():
             for slots in args.slots:
@@ -188,29 +244,27 @@ def _main_table(args, workloads, tokenizer, link, out_dir: Path, host=None) -> d
                     watched = instances.get("specfit")
                     if watched is not None:
                         watched.specfit.acceptance_log = []
+                    each = {m: [] for m in instances}  # decode tok/s of each call, for the spread
+
+                    def on_prompt(i, each=each):
+                        bar.update(args.batch)
+                        for m, model in instances.items():
+                            each[m].append(model.specfit.stats.last_generate.tokens_per_second)
+
                     runs = side_by_side(instances, prompts, args.max_new_tokens, batch=args.batch,
-                                        on_prompt=lambda i: bar.update(args.batch))
+                                        on_prompt=on_prompt)
                     label = ("emulated link + host lane" if host else "emulated link") if link else "no link"
                     rows += [Row.of(m, w, slots, label, len(prompts), c, runs.seconds[m])
                              for m, c in runs.counters.items()]
+                    for m, values in each.items():  # the first call is the untimed warm-up (side_by_side's skip)
+                        timed = values[1:] if len(values) > 1 else values
+                        spread[(label, w, slots, m)] = statistics.stdev(timed) if len(timed) > 1 else 0.0
                     if watched is not None:
                         log, watched.specfit.acceptance_log = watched.specfit.acceptance_log, None
                         logs.setdefault(w, []).extend(log)
                         cell = reliability.summary(log)
                         cell.pop("by_depth_rank", None)
                         cells.append(dict(regime=label, slots=slots, workload=w, **cell))
-    print(_report(rows, args))
-    print("\n".join(LEGEND))
-    calibration = {w: reliability.summary(log) for w, log in logs.items()}
-    for w, summary in calibration.items():
-        print(reliability.describe(f"[{w}] SpecFit, all cells", summary))
-    print()
-    print(paper_table())
-    _plot(rows, out_dir / "tok_s_vs_slots.png")
-    if logs:
-        reliability.plot(logs, out_dir / "reliability.png")
-    return dict(rows=[r.as_dict() for r in rows], specfit_over_oracle=oracle_fractions(rows),
-                acceptance_calibration=dict(workloads=calibration, cells=cells))
 
 
 def oracle_fractions(rows: list[Row]) -> list[dict]:
@@ -300,7 +354,9 @@ def link_to_compute(link_s: float) -> float:
     return config["num_hidden_layers"] * config["num_experts_per_tok"] * link_s / embedded.token_compute_seconds()
 
 
-def _plot(rows: list[Row], path: Path) -> None:
+def _plot(rows: list[Row], path: Path, spread: dict | None = None) -> None:
+    """tok/s against slots, a panel per regime and workload, each point with its spread over prompts (error bars)
+    and a title saying what was measured."""
     try:
         import matplotlib
 
@@ -309,19 +365,24 @@ def _plot(rows: list[Row], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed (pip install 'specfit[plot]'): no PNG written")
         return
+    spread = spread or {}
     panels = sorted({(r.regime, r.workload) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     for ax, (regime, w) in zip(axes[0], panels):
         order = [s for s in SLOTS if any(r.slots == s for r in rows)]
         for m in dict.fromkeys(r.method for r in rows):
-            pts = [next((r.tok_s for r in rows if (r.regime, r.workload, r.slots, r.method) == (regime, w, s, m)),
-                        None) for s in order]
-            if any(p is not None for p in pts):
-                ax.plot(order, pts, marker="o", label=LABELS[m])
+            cell = {r.slots: r for r in rows if (r.regime, r.workload, r.method) == (regime, w, m)}
+            pts = [cell[s].tok_s if s in cell else float("nan") for s in order]
+            if cell:
+                err = [spread.get((regime, w, s, m), 0.0) if s in cell else 0.0 for s in order]
+                ax.errorbar(order, pts, yerr=err, marker="o", capsize=3, label=LABELS[m])
         ax.set_title(f"{w}, {regime} (CPU)", fontsize=9)
         ax.set_xlabel("expert slots per layer (of 64)")
-        ax.set_ylabel("tok/s")
+        ax.set_ylabel("decode tok/s")
     axes[0][0].legend(fontsize=7)
+    prompts = sorted({r.prompts for r in rows})
+    fig.suptitle(f"specfit bench: decode tok/s against expert slots, {'/'.join(map(str, prompts))} prompts per "
+                 f"point, error bars: standard deviation over prompts (CPU; emulated link: not GPU speed)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")

@@ -71,7 +71,8 @@ def add_arguments(p) -> None:
                    help="expert slots per MoE layer on the device (default: 3/8 of the model's experts per layer, "
                         "the paper's 48 of 128: 24 for the embedded model's 64; with --acceptance-only, all of them)")
     p.add_argument("--cache-mode", choices=("cached", "cleared"), default="cached",
-                   help="'cached': slots keep experts across forwards (LRU); 'cleared': emptied before every forward")
+                   help="'cached': slots keep experts across forwards (by the slot cache's policy, 'forecast' by "
+                        "default); 'cleared': emptied before every forward")
     p.add_argument("--prompts", default=PROBES["prompts"],
                    help="gsm8k (default, as in the paper), cnn, random (token ids; for checkpoints without a "
                         "tokenizer), or a local .jsonl with a 'question' or 'text' field")
@@ -88,7 +89,8 @@ def add_arguments(p) -> None:
     p.add_argument("--link-ms", type=float, default=None, help="emulated host link: milliseconds per expert copy")
     p.add_argument("--default-link", type=float, nargs="?", const=1.0, default=None, metavar="RATIO",
                    help="the embedded model's structural default link (a token's expert copies = 1.4x its compute, "
-                        "measured here), times RATIO (default 1): what the demo and the bench use")
+                        "which this command measures again and keeps for the next runs), times RATIO (default 1): "
+                        "what the demo and the bench use")
     p.add_argument("--host-ratio", type=float, default=None, metavar="RATIO",
                    help="the probes' host-lane rounds (every cold expert computed on an emulated host lane, on a CPU): "
                         "the embedded model's structural default host lane at RATIO x the link's bandwidth (default "
@@ -148,21 +150,21 @@ def check_arguments(args) -> None:
         raise ValueError(f"--device {args.device}: the embedded model runs on the CPU only (specfit.embedded.load); "
                          f"leave --device out, or calibrate a checkpoint of your own with --model")
     check.cuda_device(args)
-    if args.out:
-        check.writable(args.out, "--out", kind="file")
+    check.output(args, "out", kind="file")
+    check.output(args, "plot", kind="file")
+    if not args.out:  # the profile (and the kept link, the plot beside it) goes to the user cache
+        from ..selection.profile_files import cache_root
+
+        check.writable(str(cache_root()), "the user cache ($SPECFIT_CACHE, where the profile goes without --out)")
     config = check.checkpoint_config(args.model) if args.model else json.loads((TARGET_DIR / "config.json").read_text())
-    experts = check.moe_config(config, args.model, "--model") if args.model else check.experts_per_layer(config)
+    experts = check.experts_per_layer(config)
     if args.slots is not None and experts is not None and not 1 <= args.slots <= experts:
         raise ValueError(f"--slots must be in 1..{experts} (the model's experts per MoE layer), got {args.slots}")
     check.at_least(args, 1, "slots")
     if args.slots is None and experts is None:
         raise ValueError("cannot tell the model's experts per MoE layer from its config; pass --slots N")
     if args.drafter is not None:
-        if Path(args.drafter).expanduser().exists():
-            check.folder(args.drafter, "--drafter", must_hold="config.json")
-        elif not check.HUB_ID.match(args.drafter):
-            raise ValueError(f"--drafter {args.drafter!r} is neither a local EAGLE-3 checkpoint folder (no such path) "
-                             f"nor a hub id (owner/name)")
+        check.drafter_source(args.drafter)  # before the target loads: a typo is refused now, not after it
     if args.acceptance_only:
         drafter = args.drafter or (str(DRAFTER_DIR) if args.model is None else None)
         if not args.out and (drafter is None or not Path(drafter).is_dir()):
@@ -195,27 +197,33 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     elif args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
         torch.set_num_threads(1)  # see --threads: the default that keeps the timer quiet on a shared CPU
-    if args.model is None or args.default_link:  # the structural default link is kept with the profile fitted here
-        from ..embedded import default_link_seconds
+    kept = ""
+    try:
+        if args.model is None or args.default_link:  # the structural default link is kept with the profile fitted here
+            from ..embedded import link_store, recheck_default_link
 
-        print(f"default link measured again: {default_link_seconds(refresh=True) * 1e3:.3f} ms per copy, kept for "
-              f"this machine's next runs", flush=True)
-    t0 = time.perf_counter()
-    model, tokenizer = _load(args)
-    print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)  # before the probes' minutes
-    if model.specfit.lane is not None and model.specfit.lane.real:  # measured at enable: a slow lane explains itself
-        print(f"host lane: {model.specfit.host_seconds(1) * 1e3:.3f} ms per expert at 1 token, "
-              f"{model.specfit.host_seconds(32) * 1e3:.3f} ms at 32", flush=True)
-    prompts = _prompt_ids(args, texts, tokenizer, model)
-    with tqdm(desc="calibration (planning round, then timed rounds)", unit="generate") as bar:
-        def progress(done, total):
-            bar.total = total
-            bar.n = done
-            bar.refresh()
+            print(link_store.recheck_line(*recheck_default_link()), flush=True)
+            kept = "; the default link measured again is kept"
+        t0 = time.perf_counter()
+        model, tokenizer = _load(args)
+        # said before the probes' minutes
+        print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)
+        if model.specfit.lane is not None and model.specfit.lane.real:  # measured at enable: a slow lane says so
+            print(f"host lane: {model.specfit.host_seconds(1) * 1e3:.3f} ms per expert at 1 token, "
+                  f"{model.specfit.host_seconds(32) * 1e3:.3f} ms at 32", flush=True)
+        prompts = _prompt_ids(args, texts, tokenizer, model)
+        with tqdm(desc="calibration (planning round, then timed rounds)", unit="generate") as bar:
+            def progress(done, total):
+                bar.total = total
+                bar.n = done
+                bar.refresh()
 
-        result = calibrate(model, prompts, probes=args.probes, repeats=args.repeats, seed=args.seed,
-                           max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress,
-                           lanes=_probe_lanes(args, model), lane_seconds=args.lane_seconds)
+            result = calibrate(model, prompts, probes=args.probes, repeats=args.repeats, seed=args.seed,
+                               max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress,
+                               lanes=_probe_lanes(args, model), lane_seconds=args.lane_seconds)
+    except KeyboardInterrupt:  # nothing half-fitted is installed: the profile in place (if any) stays as it was
+        where = args.out or "the user cache's profile for this model"
+        raise KeyboardInterrupt(f"before the fit: no profile installed ({where} unchanged){kept}") from None
     cost = result.cost
     from ..selection.profile_files import profile_path
 

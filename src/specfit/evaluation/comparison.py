@@ -8,17 +8,21 @@ figures. ``tok_s`` is wall clock of the whole ``generate()`` calls (what a stopw
 included); the other figures come from ``model.specfit.stats.last_generate`` of each call. Greedy outputs must be
 identical across methods (decoding is lossless): a difference stops the comparison.
 
-``specfit demo`` runs this same code on the embedded model.
+``specfit demo`` runs this same code on the embedded model. A progress bar counts the calls (``progress=False``: none);
+Ctrl-C stops the comparison and returns the table of the prompts every method finished, said in one line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+import sys
+from dataclasses import dataclass, field
 
 import torch
 
 from ..stats.counters import Counters
-from .harness import METHODS, Method, interleave
+from .comparison_view import LEGEND, format_rows, plot_comparison  # noqa: F401  (part of this module's interface)
+from .harness import METHODS, Method, Runs, interleave
 
 DEFAULT_METHODS = ("ar", "eagle3", "specfit")
 WARMUP_TOKENS = 8
@@ -28,6 +32,7 @@ COLUMNS = {
     "method": "the method's name (the table's index in a DataFrame)",
     "label": "what the method is",
     "tok_s": "new tokens per second, wall clock of the whole generate() calls (prefill included)",
+    "tok_s_spread": "standard deviation over the prompts (batches) of each call's tok/s; None with one prompt",
     "speedup": "tok_s over the first method's (AR with the default methods)",
     "nodes_per_cycle": "draft nodes verified per decoding cycle (AR: 0; EAGLE-3: its 7)",
     "tokens_per_cycle": "tokens committed per cycle: accepted draft tokens + 1 bonus (AR: 1)",
@@ -51,7 +56,8 @@ COLUMNS = {
     "prompts": "prompts measured",
 }
 
-ROUNDING = {"tok_s": 1, "speedup": 2, "nodes_per_cycle": 2, "tokens_per_cycle": 2, "copies_per_token": 2,
+ROUNDING = {"tok_s": 1, "tok_s_spread": 1, "speedup": 2, "nodes_per_cycle": 2, "tokens_per_cycle": 2,
+            "copies_per_token": 2,
             "mib_per_token": 2, "copy_wait_share": 3, "hit_rate": 3, "hits_per_token": 2, "host_per_token": 2,
             "host_wait_share": 3, "expected_over_committed": 2,
             "forecast_over_real": 2, "decode_tok_s": 1, "seconds": 3}
@@ -59,21 +65,31 @@ ROUNDING = {"tok_s": 1, "speedup": 2, "nodes_per_cycle": 2, "tokens_per_cycle": 
 
 @dataclass
 class Comparison:
-    """The measured figures: per method, summed decode-phase ``Counters``, summed wall clock of whole calls, and the
-    new tokens of every prompt (``outputs``)."""
+    """The measured figures: per method, summed decode-phase ``Counters``, summed wall clock of whole calls, the
+    new tokens of every prompt (``outputs``) and each call's whole-call tok/s (``per_prompt``); ``total``: the
+    prompts asked for (more than ``prompts`` when Ctrl-C stopped the comparison: ``interrupted``)."""
 
     methods: dict[str, Method]
     prompts: int
     counters: dict[str, Counters]
     seconds: dict[str, float]
     outputs: dict[str, list[torch.Tensor]]
+    per_prompt: dict[str, list[float]] = field(default_factory=dict)
+    total: int | None = None
+    setup: str = ""  # what it ran on (``setup``): slots, link, host lane, device
+
+    @property
+    def interrupted(self) -> bool:
+        return self.total is not None and self.prompts < self.total
 
     def rows(self) -> list[dict]:
         """One dict per method, keys as in ``COLUMNS``."""
         out = []
         for name, method in self.methods.items():
             c, seconds = self.counters[name], self.seconds[name]
+            each = self.per_prompt.get(name, [])
             out.append(dict(method=name, label=method.label, tok_s=c.new_tokens / seconds if seconds else 0.0,
+                            tok_s_spread=statistics.stdev(each) if len(each) > 1 else None,
                             speedup=0.0, nodes_per_cycle=c.nodes_per_cycle, tokens_per_cycle=c.tokens_per_cycle,
                             copies_per_token=c.copies_per_token, mib_per_token=c.mib_copied_per_token,
                             copy_wait_share=c.copy_wait_share, hit_rate=c.hit_rate,
@@ -103,11 +119,16 @@ class Comparison:
         return format_rows(self.rows(), title)
 
     def plot(self, title: str | None = None):
+        """The two bar charts (``plot_comparison``), titled with what was compared unless ``title`` is given."""
+        if title is None:
+            done = f"{self.prompts} of {self.total}" if self.interrupted else f"{self.prompts}"
+            title = f"specfit.compare: {done} prompt{'s' if self.prompts != 1 else ''}; {self.setup}"
         return plot_comparison(self.rows(), title)
 
 
 def compare(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_tokens: int = 64, warmup: bool = True,
-            plot: bool = False, as_frame: bool | None = None, batch: int = 1, **generate_kwargs):
+            plot: bool = False, as_frame: bool | None = None, batch: int = 1, progress: bool = True,
+            **generate_kwargs):
     """Decode ``prompts`` with each method in turn on an enabled model and return a table of the figures.
 
     - ``model``: a model with SpecFit enabled (``specfit.enable``, ``specfit.from_pretrained``,
@@ -121,90 +142,124 @@ def compare(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_token
       greedy outputs are checked to be identical).
     - ``batch``: prompts per ``generate()`` call, left-padded with an attention mask (docs/batch.md); figures are
       then per batch call (tok/s: the batch's new tokens over its calls' wall clock).
-    - ``warmup``: one short untimed call per method first. ``plot``: also draw the table (matplotlib).
+    - ``warmup``: one short untimed call per method first. ``plot``: also draw the table (matplotlib), titled with
+      what was compared, the spread over prompts as error bars. ``progress``: a progress bar of the calls (tqdm).
     - Returns a pandas DataFrame indexed by method when pandas is installed (``as_frame=False``: always the rows,
       a list of dicts); ``specfit.evaluation.comparison.COLUMNS`` says what each column means.
+    - Ctrl-C stops it: the table of the prompts every method finished comes back, and one line on stderr says so
+      (with none finished, the KeyboardInterrupt goes on).
 
     Everything is checked before the first call; on a slow machine keep ``prompts`` and ``max_new_tokens`` small.
     """
-    result = run(model, tokenizer, prompts, methods, max_new_tokens=max_new_tokens, warmup=warmup, batch=batch,
-                 needs=("matplotlib",) * plot + ("pandas",) * bool(as_frame), **generate_kwargs)
+    try:
+        result = run(model, tokenizer, prompts, methods, max_new_tokens=max_new_tokens, warmup=warmup, batch=batch,
+                     needs=("matplotlib",) * plot + ("pandas",) * bool(as_frame), progress=progress,
+                     **generate_kwargs)
+    except Interrupted as stop:
+        if stop.partial is None:
+            raise KeyboardInterrupt from None
+        print(f"specfit.compare: interrupted (Ctrl-C) {stop}", file=sys.stderr)
+        result = stop.partial
     table = result.table(as_frame)
     if plot:
         result.plot()
     return table
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during ``run``: ``partial`` is the ``Comparison`` of the prompts every method finished (None when
+    none did); the message says how far it got."""
+
+    def __init__(self, partial: "Comparison | None", total: int):
+        done = 0 if partial is None else partial.prompts
+        kept = "nothing to keep" if partial is None else f"the table holds those {done}"
+        super().__init__(f"after {done} of {total} prompt{'s' if total != 1 else ''} measured by every method: "
+                         f"{kept}")
+        self.partial, self.total = partial, total
+
+
 def run(model, tokenizer, prompts, methods=DEFAULT_METHODS, *, max_new_tokens: int = 64, warmup: bool = True,
-        needs: tuple = (), on_prompt=None, batch: int = 1, **generate_kwargs) -> Comparison:
-    """``compare``'s measurement, returned whole (figures and generated tokens): what ``specfit demo`` prints."""
+        needs: tuple = (), on_prompt=None, batch: int = 1, progress: bool = False, **generate_kwargs) -> Comparison:
+    """``compare``'s measurement, returned whole (figures and generated tokens): what ``specfit demo`` prints.
+    Ctrl-C raises ``Interrupted``, carrying the comparison of the prompts every method finished."""
     methods = _methods(methods)
     models = _models(model, methods)
     prompt_ids = _prompt_ids(prompts, tokenizer)
     _check(models, methods, max_new_tokens, needs, generate_kwargs)
     sampling = bool(generate_kwargs.get("do_sample", False))
-    runs = interleave(models, prompt_ids, max_new_tokens, assistants={m: methods[m].assistant for m in methods},
-                      warmup_tokens=min(WARMUP_TOKENS, max_new_tokens) if warmup else 0,
-                      check_lossless=not sampling, on_prompt=on_prompt, batch=batch, **generate_kwargs)
-    return Comparison(methods, len(prompt_ids), runs.counters, runs.seconds, runs.outputs)
+    runs = Runs({}, {}, {}, {})
+    calls = -(-len(prompt_ids) // batch) if isinstance(batch, int) and batch >= 1 else 0
+    done = _Done(methods, batch, len(prompt_ids), setup(next(iter(models.values()))))
+    bar = _bar(calls, progress)
 
+    def prompt_done(i):
+        done.take(runs, i)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(", ".join(f"{methods[m].label} {done.per_prompt[m][-1]:.1f}" for m in methods)
+                                + " tok/s")
+        if on_prompt is not None:
+            on_prompt(i)
 
-def format_rows(rows: list[dict], title: str = "") -> str:
-    """Rows of ``compare`` as a text table."""
-    base = (rows[0]["label"] if len(rows[0]["label"]) <= 10 else rows[0]["method"]) if rows else ""
-    hosted = any(r.get("host_per_token") for r in rows)  # the host lane's columns, where one computed experts
-    head = (f"{'method':<22}{'tok/s':>8}{'vs ' + base:>14}{'nodes/cyc':>11}{'tok/cyc':>9}{'exp/real':>10}"
-            f"{'fcst/real':>11}{'copies/tok':>12}{'MiB/tok':>9}{'copy wait':>11}{'hit rate':>10}")
-    head += f"{'hits/tok':>10}{'host/tok':>10}{'host wait':>11}" if hosted else ""
-    lines = ([title] if title else []) + [head, "-" * len(head)]
-    for r in rows:
-        forecast = "-" if r["forecast_over_real"] is None else f"{r['forecast_over_real']:.2f}"
-        line = (f"{r['label']:<22}{r['tok_s']:>8.1f}{'x%.2f' % r['speedup']:>14}{r['nodes_per_cycle']:>11.2f}"
-                f"{r['tokens_per_cycle']:>9.2f}{r['expected_over_committed']:>10.2f}{forecast:>11}"
-                f"{r['copies_per_token']:>12.2f}{r['mib_per_token']:>9.2f}{r['copy_wait_share']:>11.1%}"
-                f"{r['hit_rate']:>10.0%}")
-        if hosted:
-            line += f"{r['hits_per_token']:>10.2f}{r['host_per_token']:>10.2f}{r['host_wait_share']:>11.1%}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-LEGEND = ("tok/s: new tokens per second, wall clock of the whole generate() calls (what a stopwatch reads)",
-          "nodes/cyc: draft nodes verified per decoding cycle (EAGLE-3 verifies its 7)",
-          "tok/cyc: tokens committed per cycle (accepted draft tokens + 1 bonus token; AR: 1)",
-          "exp/real: tokens the method expected its cycles to commit over those committed (1.00: right on average)",
-          "fcst/real: seconds SpecFit's cost model predicted for its cycles over the decode time (1.00: the forecast "
-          "matches the clock; -: the method forecasts no time)",
-          "copies/tok: host-to-device expert copies per new token (slot-cache misses + prefetches); MiB/tok: their "
-          "MiB per token",
-          "copy wait: share of decode time the host was blocked by copies (on a CPU, emulated link included: all of "
-          "the stall; on CUDA only the issue time, the device-side wait shows in tok/s)",
-          "hit rate: share of the experts the forwards needed that were already in a slot",
-          "hits/tok, host/tok (with a host lane): experts per token found in a slot, and computed on the host lane "
-          "(neither resident nor copied); host wait: share of decode time the host waited for the lane (CPU: an "
-          "emulated lane, the part of its time nothing hid)")
-
-
-def plot_comparison(table, title: str | None = None):
-    """Bar charts of tok/s and expert copies per token by method; ``table``: what ``compare`` returned (either
-    form). Returns the two axes."""
     try:
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError('plotting needs matplotlib, an optional dependency: pip install "specfit[plot]"') from err
-    rows = table if isinstance(table, list) else table.reset_index().to_dict("records")
-    names = [r["label"] for r in rows]
-    fig, (speed, copies) = plt.subplots(1, 2, figsize=(8, 3))
-    speed.bar(names, [r["tok_s"] for r in rows], color="tab:blue")
-    speed.set_ylabel("tok/s (wall clock)")
-    copies.bar(names, [r["copies_per_token"] for r in rows], color="tab:red")
-    copies.set_ylabel("expert copies per token")
-    for ax in (speed, copies):
-        ax.tick_params(axis="x", labelsize=8, rotation=15)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return speed, copies
+        interleave(models, prompt_ids, max_new_tokens, assistants={m: methods[m].assistant for m in methods},
+                   warmup_tokens=min(WARMUP_TOKENS, max_new_tokens) if warmup else 0, check_lossless=not sampling,
+                   on_prompt=prompt_done, batch=batch, runs=runs, **generate_kwargs)
+    except KeyboardInterrupt:
+        raise Interrupted(done.comparison(), len(prompt_ids)) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    return done.comparison()
+
+
+class _Done:
+    """What every method finished so far: a copy of the counters, seconds and outputs after each prompt (batch),
+    and each call's whole-call tok/s."""
+
+    def __init__(self, methods: dict, batch: int, total: int, setup_text: str):
+        self.methods, self.batch, self.total, self.setup = methods, batch, total, setup_text
+        self.calls = 0
+        self.counters = {m: Counters() for m in methods}
+        self.seconds = {m: 0.0 for m in methods}
+        self.outputs = {m: [] for m in methods}
+        self.per_prompt = {m: [] for m in methods}
+
+    def take(self, runs: Runs, i: int) -> None:
+        for m in self.methods:
+            tokens = runs.counters[m].new_tokens - self.counters[m].new_tokens
+            seconds = runs.seconds[m] - self.seconds[m]
+            self.per_prompt[m].append(tokens / seconds if seconds > 0 else 0.0)
+            self.counters[m] = Counters()
+            self.counters[m] += runs.counters[m]
+            self.seconds[m] = runs.seconds[m]
+            self.outputs[m] = list(runs.outputs[m])
+        self.calls = i + 1
+
+    def comparison(self) -> "Comparison | None":
+        if self.calls == 0:
+            return None
+        prompts = min(self.total, self.calls * self.batch)
+        return Comparison(self.methods, prompts, self.counters, self.seconds, self.outputs, self.per_prompt,
+                          self.total, self.setup)
+
+
+def _bar(total: int, progress: bool):
+    if not progress or total == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="specfit.compare", unit="prompt")
+
+
+def setup(model) -> str:
+    """What a comparison ran on, for its title: slots, the link and host lane (emulated ones say so), the device."""
+    runtime = model.specfit
+    config = runtime.config
+    link = config.link.label if config.link is not None else "no emulated link"
+    host = f", {config.host.label}" if config.host is not None else ""
+    where = "CPU (not GPU speed)" if runtime.device.type == "cpu" else str(runtime.device)
+    return f"{config.cache_slots} slots of {runtime.store.num_experts} per layer, {link}{host}, {where}"
 
 
 # --- checks, all before the first call ---------------------------------------------------------------------------
@@ -295,4 +350,5 @@ def _has_pandas() -> bool:
     return True
 
 
-__all__ = ["compare", "Comparison", "COLUMNS", "DEFAULT_METHODS", "plot_comparison", "format_rows", "run"]
+__all__ = ["compare", "Comparison", "COLUMNS", "DEFAULT_METHODS", "Interrupted", "plot_comparison",
+           "format_rows", "run"]

@@ -54,11 +54,15 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="decode your own prompt instead of the workloads (repeat for several)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt")
-    p.add_argument("--slots", type=int, default=12,
-                   help="expert slots per layer of 64 (12: where copies dominate, as in the paper's 24 of 128)")
+    from ..embedded import DEMO_SLOTS
+
+    p.add_argument("--slots", type=int, default=DEMO_SLOTS,
+                   help=f"expert slots per layer of 64 ({DEMO_SLOTS}: where copies dominate, as in the paper's 24 of "
+                        f"128)")
     p.add_argument("--link-ms", type=float, default=None,
-                   help="emulated ms per expert copy (default: measured at start so that a token's full expert demand "
-                        "costs 1.4x its compute, as on the paper's A100)")
+                   help="emulated ms per expert copy (default: the structural default link, a token's full expert "
+                        "demand at 1.4x its compute as on the paper's A100: measured on this machine's first run, "
+                        "then kept in the user cache; `specfit calibrate` measures it again)")
     p.add_argument("--host-ratio", type=float, default=None, metavar="RATIO",
                    help="emulated host lane: the host reads experts RATIO x as fast as the link copies them (default "
                         "2.5, a PCIe 4.0 host: specfit.embedded.default_host); 0: no host lane, every expert that "
@@ -66,7 +70,8 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
     p.add_argument("--fp8", action="store_true", help="the FP8 variant of the embedded model (experts as FP8)")
     p.add_argument("--wide", action="store_true",
-                   help="every column of specfit.compare (nodes per cycle, forecasts, MiB, waits, hit rate, host lane)")
+                   help="every column of specfit.compare: the default table's (tok/s, vs AR, vs EAGLE-3, tok/cyc, "
+                        "copies/tok) and nodes per cycle, forecasts, MiB, waits, hit rate, host lane")
 
 
 def check_arguments(args) -> None:
@@ -86,6 +91,7 @@ def check_arguments(args) -> None:
                          "--host-ratio 0 (no host lane) with a free link")
     if args.prompt is not None and not all(text.strip() for text in args.prompt):
         raise ValueError("--prompt needs a non-empty TEXT")
+    args.link_given = args.link_ms is not None  # main replaces link_ms with the link's ms, given or not
 
 
 def _config() -> dict:
@@ -117,44 +123,39 @@ def workload_prompts(args) -> tuple[dict[str, list[str]], str | None]:
 def main(args) -> int:
     import torch
 
-    from .. import embedded
     from . import comparison
-    from .harness import link_seconds, load_instances
+    from .harness import load_instances
 
     started = time.time()
     config = _config()
     experts = cli_checks.experts_per_layer(config)
     texts, missing = workload_prompts(args)
     torch.set_num_threads(args.threads)  # this command owns its process: the count that suits the model (--threads)
-    if args.link_ms is None:
-        print("the default emulated link: one token's compute on this machine (measured on the first run, then "
-              "kept) ...", flush=True)
-    link, how = link_seconds(args.link_ms)
-    args.link_ms = embedded.link_seconds_per_expert(link) * 1e3  # per bf16 expert (the default link is per byte)
-    host = host_lane(args, link)
+    link, how, host = settings(args)
     print(f"SpecFit demo: the embedded Qwen3-MoE{' (FP8 variant)' if args.fp8 else ''} ({experts} "
           f"experts, top-{config['num_experts_per_tok']}, {config['num_hidden_layers']} layers) with its EAGLE-3 "
           f"drafter, experts in host memory, {args.slots} slots per layer, CPU with an emulated host link of "
           f"{args.link_ms:.3f} ms per expert copy ({how}; emulated: not GPU speed), {args.threads} CPU "
           f"thread{'s' if args.threads != 1 else ''} (--threads).")
     print(host_line(host))
+    print(same_as_elsewhere(args))
     print("The embedded model is a small model trained by this project only to show the method: its text is not "
           "meant to be good. What matters is that all three methods write the same tokens, and how fast.")
     print(f"Where SpecFit pays: when expert copies are dear - few slots per layer (here {args.slots} of "
-          f"{experts}) and a slow host link (here {args.link_ms:.3f} ms per copy) - it verifies only "
-          f"the draft nodes worth their experts' copies, so it copies fewer experts per token than EAGLE-3; with "
-          f"every expert resident or a free link it has nothing to save.\n")
+          f"{experts}) and a slow host link (here {args.link_ms:.3f} ms per copy) - it verifies only the draft nodes "
+          f"worth the experts they bring in; with every expert resident or a free link it has nothing to save. "
+          f"How many experts per token it copied here against EAGLE-3, each workload's verdict says.\n")
     if missing:
         print(missing + "\n")
     total = sum(len(prompts) for prompts in texts.values())
     print(f"Decoding {total} prompt{'s' if total != 1 else ''} x {len(METHODS)} methods, {args.max_new_tokens} new "
           f"tokens each, the methods taking turns prompt by prompt (a line per prompt below; on a busy CPU a prompt "
-          f"can take a minute).", flush=True)
+          f"can take a minute; Ctrl-C stops and keeps the prompts done).", flush=True)
+    tables, verdicts, stopped = [], [], None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         print(f"loading the embedded model once per method ({', '.join(LABELS[m] for m in METHODS)}) ...", flush=True)
         instances, tokenizer = load_instances(list(METHODS), args.slots, link, fp8=args.fp8, host=host)
-        tables, verdicts = [], []
         for workload, prompts in texts.items():
             name = WORKLOADS[workload]
             per_prompt = {m: [] for m in METHODS}
@@ -167,17 +168,91 @@ def main(args) -> int:
                       + f" tok/s ({time.time() - started:.0f} s so far)", flush=True)
 
             print(f"[{name}] warming up each method on its first prompt (untimed) ...", flush=True)
-            result = comparison.run(instances, tokenizer, prompts, METHODS, max_new_tokens=args.max_new_tokens,
-                                    on_prompt=on_prompt)
-            text, out = prompts[0], result.outputs["ar"][0]
-            print(f"\n--- {name}: prompt 1 of {len(prompts)} ---\n{_clip(text)}\n--- generated (identical for AR, "
-                  f"EAGLE-3 and SpecFit) ---\n{tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
-            rows = result.rows()
-            verdicts.append(f"  {name}: {table_verdict(rows, per_prompt)}")
-            title = (f"[{name}] {args.slots} slots of {experts}, CPU, emulated host link"
-                     f"{' and host lane' if host else ''} (not GPU speed), {len(prompts)} "
-                     f"prompt{'s' if len(prompts) != 1 else ''}")
-            tables.append(result.format(title) if getattr(args, "wide", False) else narrow_table(rows, title))
+            try:
+                result = comparison.run(instances, tokenizer, prompts, METHODS, max_new_tokens=args.max_new_tokens,
+                                        on_prompt=on_prompt)
+            except comparison.Interrupted as stop:
+                result, stopped = stop.partial, f"[{name}] {stop}"
+            if result is not None:
+                _show_text(name, prompts, result, tokenizer)
+                rows = result.rows()
+                verdicts.append(f"  {name}: {table_verdict(rows, per_prompt)}; {copies_said(rows)}")
+                title = (f"[{name}] {args.slots} slots of {experts}, CPU, emulated host link"
+                         f"{' and host lane' if host else ''} (not GPU speed), {result.prompts}"
+                         f"{f' of {len(prompts)}' if result.interrupted else ''} "
+                         f"prompt{'s' if len(prompts) != 1 else ''}{' (interrupted)' if result.interrupted else ''}")
+                tables.append(result.format(title) if getattr(args, "wide", False) else narrow_table(rows, title))
+            if stopped:
+                break
+    _report(args, tables, verdicts, caught, started)
+    if stopped:
+        raise KeyboardInterrupt(f"{stopped}; the tables above hold the prompts every method finished")
+    return 0
+
+
+def settings(args):
+    """(link, how it was set, host lane) of this run: ``specfit.embedded.demo_settings(--slots)`` unless
+    ``--link-ms`` or ``--host-ratio`` change them; ``args.link_ms`` is set to the link's ms per bf16 expert for the
+    header."""
+    from .. import embedded
+    from .harness import link_seconds
+
+    if args.link_ms is None and not embedded.default_link_known():
+        print("measuring the default emulated link once for this machine (each part of a forward at its fastest; "
+              "kept for the next runs) ...", flush=True)
+    if args.link_ms is None and args.host_ratio is None:
+        chosen = embedded.demo_settings(args.slots)
+        link, host, how = chosen["link"], chosen["host"], embedded.default_link_note()
+    else:
+        link, how = link_seconds(args.link_ms)
+        host = host_lane(args, link)
+    args.link_ms = embedded.link_seconds_per_expert(link) * 1e3  # per bf16 expert (the default link is per byte)
+    return link, how, host
+
+
+def same_as_elsewhere(args) -> str:
+    """Whether this run's configuration is the one the README's snippet and table and the quickstart notebook run
+    (``specfit.embedded.demo_settings()``), and where it differs."""
+    from .. import embedded
+
+    changed = [f"--slots {args.slots}"] if args.slots != embedded.DEMO_SLOTS else []
+    changed += ["--link-ms"] if getattr(args, "link_given", False) else []
+    if getattr(args, "host_ratio", None) not in (None, embedded.HOST_TO_LINK):
+        changed.append(f"--host-ratio {args.host_ratio:g}")
+    changed += ["--fp8"] if args.fp8 else []
+    if not changed:
+        return (f"Configuration: specfit.embedded.demo_settings() ({embedded.DEMO_SLOTS} slots, the default link and "
+                f"host lane), as the README's snippet and results table and examples/quickstart.ipynb run it.")
+    return (f"Configuration: NOT the README's and the notebook's (specfit.embedded.demo_settings()): this run "
+            f"changes {', '.join(changed)}.")
+
+
+def copies_said(rows: list[dict]) -> str:
+    """What the table says about expert copies per token: SpecFit's against EAGLE-3's (and AR's).
+
+    >>> copies_said([dict(method="ar", copies_per_token=9.0), dict(method="eagle3", copies_per_token=12.0),
+    ...              dict(method="specfit", copies_per_token=13.5)])
+    'SpecFit copied 13.50 experts per token, more than EAGLE-3 (12.00; AR 9.00)'
+    """
+    copies = {r["method"]: r["copies_per_token"] for r in rows}
+    ours, theirs = copies.get("specfit"), copies.get("eagle3")
+    if ours is None or theirs is None:
+        return "copies per token: see the table"
+    how = "fewer than" if ours < theirs else "more than" if ours > theirs else "as many as"
+    ar = f"; AR {copies['ar']:.2f}" if "ar" in copies else ""
+    return f"SpecFit copied {ours:.2f} experts per token, {how} EAGLE-3 ({theirs:.2f}{ar})"
+
+
+def _show_text(name: str, prompts: list[str], result, tokenizer) -> None:
+    text, out = prompts[0], result.outputs["ar"][0]
+    print(f"\n--- {name}: prompt 1 of {len(prompts)} ---\n{_clip(text)}\n--- generated (identical for AR, "
+          f"EAGLE-3 and SpecFit) ---\n{tokenizer.decode(out, skip_special_tokens=True).strip()}\n")
+
+
+def _report(args, tables: list[str], verdicts: list[str], caught, started: float) -> None:
+    """The tables, their legend, the profile notes and the verdict of each workload measured."""
+    from . import comparison
+
     for table in tables:
         print(table + "\n")
     print("\n".join(comparison.LEGEND if getattr(args, "wide", False) else NARROW_LEGEND))
@@ -187,10 +262,9 @@ def main(args) -> int:
         print(f"note: {message}")
     print("Verdict of this run (the table's whole-call tok/s; spread: the standard deviation over prompts of "
           "SpecFit's per-prompt ratio to that method, so a difference inside it is not a clear one):")
-    print("\n".join(verdicts))
+    print("\n".join(verdicts) if verdicts else "  (no workload finished)")
     print(f"({time.time() - started:.0f} s in all. Your own prompt: specfit demo --prompt TEXT; in Python: "
           f"specfit.compare(model, tokenizer, prompts) on your own model; `specfit bench` runs the full table.)")
-    return 0
 
 
 NARROW_LEGEND = (

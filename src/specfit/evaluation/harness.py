@@ -77,9 +77,7 @@ def link_seconds(link_ms: float | None):
 
     if link_ms is not None:
         return LinkConfig(seconds_per_expert=link_ms / 1e3), "given (--link-ms)"
-    return embedded.default_link(), (f"default: 1.4 x one token's compute ({embedded.token_compute_seconds() * 1e3:.2f}"
-                                     f" ms, kept for this machine; `specfit calibrate` measures it again) / "
-                                     f"(layers x top-k)")
+    return embedded.default_link(), embedded.default_link_note()
 
 
 @dataclass
@@ -169,14 +167,15 @@ class Runs:
 
 def interleave(models: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int, *, assistants: dict | None = None,
                skip: int = 0, warmup_tokens: int = 0, check_lossless: bool = True, on_prompt=None, batch: int = 1,
-               **generate_kwargs) -> Runs:
+               runs: Runs | None = None, **generate_kwargs) -> Runs:
     """Every prompt with every method in turn (prompt 0 by each method, then prompt 1, ...), so a slow stretch of a
     noisy machine hits all methods alike. ``models`` maps a method to its model (one model may serve several);
     ``assistants`` maps it to the ``assistant=`` value (default: the harness's methods). ``skip``: prompts at the
     start left out of the figures (unless there are no more). ``warmup_tokens``: first one untimed call per method
     on prompt 0 with that many tokens (one-time costs stay out of the figures). ``check_lossless``: every method must
     produce the first method's tokens (greedy decoding). ``batch``: prompts go in left-padded batches of that many
-    (``batches.left_padded``), one ``generate()`` call per batch; ``skip`` and ``on_prompt`` then count batches."""
+    (``batches.left_padded``), one ``generate()`` call per batch; ``skip`` and ``on_prompt`` then count batches.
+    ``runs``: an empty ``Runs`` to fill, which holds what was measured so far when a call is interrupted (Ctrl-C)."""
     import torch
 
     from ..decoding import oracle  # noqa: F401  registers the "acceptance-oracle" assistant, a method above
@@ -185,8 +184,9 @@ def interleave(models: dict, prompt_ids: list[torch.Tensor], max_new_tokens: int
     assistants = assistants if assistants is not None else {m: ASSISTANT[m] for m in models}
     own = {m: GENERATE.get(m, {}) if isinstance(m, str) else {} for m in models}  # a method's own keywords
     generate_kwargs.setdefault("do_sample", False)
-    runs = Runs({m: Counters() for m in models}, {m: 0.0 for m in models}, {m: 0 for m in models},
-                {m: [] for m in models})
+    runs = runs if runs is not None else Runs({}, {}, {}, {})
+    for m in models:
+        runs.counters[m], runs.seconds[m], runs.calls[m], runs.outputs[m] = Counters(), 0.0, 0, []
     calls = [(ids, {}) for ids in prompt_ids] if batch == 1 else \
         [(ids, {"attention_mask": mask}) for ids, mask in left_padded(prompt_ids, batch, pad_id(next(iter(
             models.values()))))]

@@ -46,7 +46,7 @@ import torch
 
 from ..calibration import LEAST, PROBES
 from ..decoding.assistants import Eagle3Generator
-from ..drafting.tree import DraftTree
+from ..drafting.tree import DraftTree, random_subtree
 from ..offload.host_compute import InlineLane
 from ..offload.host_lane import EmulatedHostLane
 from ..offload.link import EmulatedLink
@@ -176,20 +176,6 @@ class ReplayProbe(_Probe):
         return random_subtree(tree.parents, min(size, len(tree)), self.rng)
 
 
-def random_subtree(parents, size: int, rng: random.Random) -> tuple[int, ...]:
-    """An ancestor-closed subset of ``size`` pool nodes, grown from the root by adding random frontier nodes."""
-    children = [[] for _ in parents]
-    frontier = []
-    for v, p in enumerate(parents):
-        (frontier if p < 0 else children[p]).append(v)
-    chosen: list[int] = []
-    while len(chosen) < size and frontier:
-        v = frontier.pop(rng.randrange(len(frontier)))
-        chosen.append(v)
-        frontier += children[v]
-    return tuple(sorted(chosen))
-
-
 def schedule(rng: random.Random, max_nodes: int):
     """Endless (size, rank by misses?, quantile, cold?) tuples: every size once per block of ``max_nodes + 1``, in
     random order; candidates ranked by misses or by demand, alternately; the quantile the lowest, the highest or a
@@ -244,11 +230,13 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
               seed: int = PROBES["seed"], warmup: int = PROBES["warmup_cycles"],
               max_new_tokens: int = PROBES["max_new_tokens"], candidates: int = PROBES["candidates"],
               bootstrap: int = PROBES["bootstrap"], folds: int = PROBES["folds"], gate: dict | None = None,
-              links=None, lanes=None, progress=None, lane_seconds: float | None = None) -> Calibration:
+              links=None, lanes=None, progress=None, batch_rows=tuple(PROBES["batch_rows"]),
+              lane_seconds: float | None = None) -> Calibration:
     """Run the probes on an enabled model (with a drafter) over ``prompts`` ([1, P] token ids): ``probes``
     configurations after ``warmup`` cycles per prompt, each timed ``repeats`` times on each of ``links`` (default
     ``probe_links(model)``; every cold expert copied) and of ``lanes`` (default ``probe_lanes(model)``; every cold
-    expert computed on the host); fit, assess and return them.
+    expert computed on the host); fit, assess and return them. Then the batch probes (``batch_probes.py``) time
+    batches of ``batch_rows`` rows (none: ``()``) and add a batch's fixed time to the profile (``meta["batch"]``).
 
     ``progress``, if given, is called as ``progress(done, total)`` in generate() calls. ``lane_seconds``: the most
     the lane rounds may take by the lane's measured speed (``lane_budget.py``), else they are skipped."""
@@ -381,8 +369,13 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
     cost = CostModel.fit(records, max_nodes=max_nodes, draft_level_seconds=levels, kind="cache-aware",
                          quality=quality, **meta)
     if lanes:  # priced at the user's link and the first lane, choosing per expert as "auto" does
-        return Calibration(cost.priced(copy_time[len(links) - 1], host_time[len(links)], "auto"), records, heldout)
-    return Calibration(cost.priced(copy_time[-1]), records, heldout)
+        cost = cost.priced(copy_time[len(links) - 1], host_time[len(links)], "auto")
+    else:
+        cost = cost.priced(copy_time[-1])
+    from .batch_probes import with_batches  # one way: the batch probes need nothing of this module
+
+    return Calibration(with_batches(model, prompts, cost, batch_rows, repeats, seed, max_new_tokens), records,
+                       heldout)
 
 
 def least_records(max_nodes: int, folds: int) -> int:

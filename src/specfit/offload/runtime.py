@@ -68,9 +68,13 @@ class SpecFitRuntime:
         self.cost_model = None
         self.route_predictor = None
         self.aux_capture = None
-        self.backoff = None  # SpecFit's drafting backoff, kept across generate() calls (decoding/assistants.py)
+        self.backoff = None  # SpecFit's drafting backoff, kept across generate() calls (decoding/learned_state.py)
         self.cost_refresh = None  # SpecFit's online cost-model refresh, kept across calls (selection/cost_refresh.py)
         self.guard = None  # (options, SpecFit's dominance guard), kept across calls (decoding/guard.py)
+        # (options, {rows in flight: guard}) and the batch cost model's online refresh: batches' own, kept across
+        # calls (decoding/batch_ways.py)
+        self.batch_guards = None
+        self.batch_refresh = None
         self.cost_source = None  # (cost model, where it came from): set where a profile is found (profiles.py)
         self.profile_read = None  # ((path, mtime, size), the profile read there): profiles.py reads a file once
         # SpecFit's acceptance model (selection/acceptance_model.py): the drafter's tables (set with the drafter;

@@ -33,14 +33,13 @@ import math
 import numpy as np
 
 from .cost_model import CostModel
+from .prior_fit import PRIOR_WIDTH, PriorFit
 
 __all__ = ["CostRefresh", "PRIOR_WIDTH", "DECAY"]
 
 DECAY = 0.9  # weight of a record per later cycle: about the last 10 cycles count (a change of load shows in 20)
-PRIOR_WIDTH = 0.5  # the prior's standard deviation, relative to the prior's value (the scale included)
 NOISE = 0.2  # a cycle time's noise, relative to the profile's root-only cycle: weighs records against the priors
 EVERY = 4  # records between refits
-SCALE_RANGE = (0.2, 5.0)  # the host-time scale is clamped to this range
 
 
 class CostRefresh:
@@ -79,38 +78,25 @@ class CostRefresh:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an integer >= 1, got {every!r}")
         self.base, self.link, self.depth = cost, float(link_seconds), max(int(depth), 1)
-        self.decay, self.every, self.key = float(decay), every, key
+        self.every, self.key = every, key
         self.names = columns(cost, self.depth)
         self._row = _row_builder(self.names, self.link)
-        self.prior = prior_coefficients(cost, self.depth, miss_parts)  # [K] the profile's unknowns
-        self.host = np.array([name != "link_share" for name in self.names], float)  # [K] parts the scale applies to
-        positive = self.prior[self.prior > 0]
-        floor = np.where(self.host > 0, 1e-3 * (positive.mean() if len(positive) else 1.0), 0.05)
-        self.units = np.maximum(self.prior, floor)  # [K] the unknowns are fitted in these units
-        self.noise = NOISE * max(cost.intercepts[0] - sum(cost.draft_level_seconds), cost.intercepts[0] * 0.1, 1e-6)
-        k = len(self.names)
-        self._h = np.zeros((k, k))  # decayed sum of x x^T (x in units, over noise)
-        self._g = np.zeros(k)  # decayed sum of x y
-        self._pp = self._py = 0.0  # decayed sums for the scale: p^2 and p (y - link part)
-        self.scale = 1.0
+        noise = NOISE * max(cost.intercepts[0] - sum(cost.draft_level_seconds), cost.intercepts[0] * 0.1, 1e-6)
+        self.fit = PriorFit(prior_coefficients(cost, self.depth, miss_parts),
+                            [name != "link_share" for name in self.names], noise, decay)
         self.cycles = 0
         self.model = cost
+
+    @property
+    def scale(self) -> float:
+        """The learned host-time scale (``prior_fit.PriorFit``)."""
+        return self.fit.scale
 
     def record(self, n_nodes: int, demand: float, misses: float, levels: int, seconds: float) -> bool:
         """Learn one forecast cycle; returns True when it refitted the model."""
         if not (math.isfinite(seconds) and seconds > 0):
             return False
-        x = self._row(n_nodes, demand, misses, levels)  # [K]
-        link_part = float(self.prior[~(self.host > 0)] @ x[~(self.host > 0)])
-        p = float((self.prior * self.host) @ x)  # the profile's host part of this cycle
-        d = self.decay
-        self._pp = d * self._pp + p * p
-        self._py = d * self._py + p * (seconds - link_part)
-        xs = x * self.units / self.noise
-        self._h *= d
-        self._h += np.outer(xs, xs)
-        self._g *= d
-        self._g += xs * (seconds / self.noise)
+        self.fit.add(self._row(n_nodes, demand, misses, levels), seconds)
         self.cycles += 1
         if self.cycles % self.every:
             return False
@@ -119,18 +105,7 @@ class CostRefresh:
 
     def refit(self) -> CostModel:
         """The model fitted on the records so far and the priors (module docstring)."""
-        from scipy.linalg import cholesky, solve_triangular
-        from scipy.optimize import nnls
-
-        lo, hi = SCALE_RANGE
-        self.scale = min(max(self._py / self._pp, lo), hi) if self._pp > 0 else 1.0
-        center = self.prior * np.where(self.host > 0, self.scale, 1.0) / self.units  # [K] the priors, in units
-        width = PRIOR_WIDTH * np.maximum(center, 1e-3)  # [K]
-        h = self._h + np.diag(1.0 / width**2)
-        g = self._g + center / width**2
-        r = cholesky(h, lower=False)  # h = r^T r
-        u, _ = nnls(r, solve_triangular(r, g, trans="T"))
-        return self._model(u * self.units)
+        return self._model(self.fit.solve())
 
     def _model(self, coef: np.ndarray) -> CostModel:
         k = len(self.names)

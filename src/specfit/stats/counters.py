@@ -49,7 +49,12 @@ class Counters:
       prediction (SpecFit's; AR and EAGLE-3 predict none). ``forecast_over_real`` is 1.0 when the time forecast
       matches the clock. ``cost_refresh_cycles``: the forecast cycles whose wall clock refreshed the cost model
       online (``stats.cost_profile`` names the profile it started from). ``guard_eagle_cycles``: the cycles
-      SpecFit's dominance guard ran EAGLE-3's way (its drafting and tree) because the clock said it paid more.
+      SpecFit's dominance guard ran EAGLE-3's way (its drafting and tree) because the clock said it paid more;
+      ``plain_cycles`` those it ran plain (drafting skipped, the root alone verified: a plain decoding step), so
+      ``specfit_cycles`` those it ran SpecFit's own way (the three add up to SpecFit's cycles; ``ways`` gives
+      them by name). ``plain_row_cycles``: in a
+      batch, rows that verified their root alone in a cycle the other rows drafted (the row's own backoff: the
+      batch rule had not been taking its trees), summed over cycles.
     - ``batch_row_cycles``: with a batch (several rows, docs/batch.md), the rows verified summed over cycles (rows in
       flight per cycle: ``batch_row_cycles / cycles``; a finished row is not verified again); 0 at batch 1.
     - ``prefill_seconds``: wall clock from ``generate()``'s entry to the end of the prompt's forward.
@@ -101,6 +106,9 @@ class Counters:
     forecast_cycles: int = 0  # cycles that came with a predicted time (SpecFit's; AR and EAGLE-3: none)
     cost_refresh_cycles: int = 0  # forecast cycles whose wall clock the cost model learned from online
     guard_eagle_cycles: int = 0  # cycles SpecFit's dominance guard ran EAGLE-3's way
+    specfit_cycles: int = 0  # SpecFit cycles run SpecFit's own way (its routes, selector and stop rule)
+    plain_cycles: int = 0  # SpecFit cycles run plain: drafting skipped, every row's root alone verified
+    plain_row_cycles: int = 0  # batch rows that verified their root alone in a cycle the others drafted
     # a batch (assistant decoding of several rows): rows verified, summed over cycles (rows in flight per cycle =
     # batch_row_cycles / cycles); finished rows are not verified again. Batch 1 counts 0 here.
     batch_row_cycles: int = 0
@@ -155,6 +163,12 @@ class Counters:
         """``host_wait_seconds / decode_seconds``: the share of decoding the Python thread waited for the host
         lane (read it from ``last_generate``, as ``copy_wait_share``)."""
         return self.host_wait_seconds / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def ways(self) -> dict[str, int]:
+        """SpecFit's cycles by the way they ran: ``{"specfit": ..., "eagle3": ..., "plain": ...}`` (zeros for
+        plain decoding and EAGLE-3, which have no ways)."""
+        return {"specfit": self.specfit_cycles, "eagle3": self.guard_eagle_cycles, "plain": self.plain_cycles}
 
     @property
     def nodes_per_cycle(self) -> float:
@@ -221,7 +235,7 @@ class Counters:
                      "host_experts_per_token", "host_wait_share", "nodes_per_cycle", "tokens_per_cycle",
                      "seconds_per_cycle", "tokens_per_second", "end_to_end_tokens_per_second",
                      "tokens_per_second_excluding_measurement", "expected_over_committed", "forecast_over_real",
-                     "mib_copied_per_token", "copy_wait_share"):
+                     "mib_copied_per_token", "copy_wait_share", "ways"):
             out[name] = getattr(self, name)
         return out
 

@@ -125,18 +125,21 @@ class GenerateScope:
 
     def cycle(self, pool: int, verified: int, committed: int, seconds: float, measurement: float, demand: int,
               misses: int, draft_seconds: float, expected: float = 0.0, predicted: float | None = None,
-              host: int = 0, counts: dict | None = None) -> None:
+              host: int = 0, counts: dict | None = None, way: str = "", row_nodes=(),
+              row_levels=()) -> None:
         """One decoding cycle; ``seconds`` is its wall clock, ``measurement`` the part of it spent measuring,
         ``expected`` the tokens the assistant expected it to commit, ``predicted`` the seconds its cost model
         predicted for it, drafting included (None: the cycle was not forecast, and adds nothing); ``misses`` the
         experts its verify forward copied, ``host`` those it computed on the host lane; ``counts``: more
-        ``Counters`` fields the assistant counted in it (e.g. ``{"cost_refresh_cycles": 1}``), added."""
+        ``Counters`` fields the assistant counted in it (e.g. ``{"cost_refresh_cycles": 1}``), added; ``way``,
+        ``row_nodes`` and ``row_levels`` go to the trace (``CycleRecord``)."""
         if predicted is not None and not _seconds(predicted):
             raise ValueError(f"predicted= is the cost model's forecast of the cycle in seconds, a finite number >= 0 "
                              f"(None: not forecast), got {predicted!r}")
         if self.stats.trace is not None:
             self.stats.trace.append(CycleRecord(verified, demand, seconds, pool, committed, misses, draft_seconds,
-                                                measurement, None if predicted is None else float(predicted), host))
+                                                measurement, None if predicted is None else float(predicted), host,
+                                                way, tuple(row_nodes), tuple(row_levels)))
         t = self.stats.total
         if predicted is not None:
             t.predicted_seconds += float(predicted)

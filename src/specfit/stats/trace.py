@@ -20,6 +20,10 @@ class CycleRecord:
       ``measurement_seconds`` the part spent on measurement only (the route or acceptance oracle).
     - ``predicted_seconds``: what the cost model predicted the cycle would take, drafting included, beside
       ``seconds`` (None: the assistant forecasts no time, as AR and EAGLE-3).
+    - ``way``: the way SpecFit ran the cycle, ``"specfit"``, ``"eagle3"`` or ``"plain"`` (``""``: an assistant
+      without ways). ``row_nodes``: in a batch, the draft nodes each row verified (the batch rule's choice under
+      SpecFit's way), in the order of the rows in flight; ``row_levels`` the levels each row drafted; both empty at
+      batch 1.
     """
 
     n_nodes: int
@@ -32,6 +36,9 @@ class CycleRecord:
     measurement_seconds: float = 0.0  # the part of `seconds` spent measuring only (the route/acceptance oracle)
     predicted_seconds: float | None = None  # the cost model's forecast of `seconds` (None: not forecast)
     host_experts: int = 0  # of `demand`, computed on the host lane (neither resident nor copied)
+    way: str = ""  # "specfit", "eagle3" or "plain": the way SpecFit ran the cycle ("" for other assistants)
+    row_nodes: tuple[int, ...] = ()  # a batch: draft nodes verified per row in flight (empty at batch 1)
+    row_levels: tuple[int, ...] = ()  # a batch: levels drafted per row in flight (empty at batch 1)
 
 
 class Trace(list):
