@@ -47,9 +47,13 @@ def test_the_lane_is_priced_over_experts_in_turn(on, monkeypatch):
     used = []
     original = experts_module.host_work
 
-    def spy(module, store, layer, x, plans):
-        used.append((layer, tuple(e for p in plans for e in p.experts)))
-        return original(module, store, layer, x, plans)
+    def spy(module, store, layer, x, plans):  # the work, made; what it computes is recorded when it runs
+        work = original(module, store, layer, x, plans)
+
+        def run():
+            used.append((layer, tuple(e for p in plans for e in p.experts)))
+            return work()
+        return run
 
     monkeypatch.setattr(experts_module, "host_work", spy)
     rt.lane.measured = None

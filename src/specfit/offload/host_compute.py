@@ -142,17 +142,16 @@ class ThreadedLane:
             self._pool = None
 
 
-def measure_lane(lane: ThreadedLane, expert_work: Callable[[int, int], Callable[[], torch.Tensor]],
-                 rounds: int = 9, experts: int = LANE_EXPERTS) -> tuple[float, float]:
-    """Time the real lane at 1 and at 32 tokens, each run on the next of ``experts`` experts in turn, as a miss
-    brings them (``expert_work(tokens, expert)`` makes the work; the median of ``rounds`` after two warm-ups each),
-    once per runtime: (seconds at 1 token, seconds per extra token)."""
-    times, turn = {}, 0
+def measure_lane(lane: ThreadedLane, expert_work: Callable[[int], Callable[[], torch.Tensor]],
+                 rounds: int = 9) -> tuple[float, float]:
+    """Time the real lane at 1 and at 32 tokens (``expert_work(tokens)`` makes the work, which may take another
+    expert each run, as a miss brings them; the median of ``rounds`` after two warm-ups each), once per runtime:
+    (seconds at 1 token, seconds per extra token)."""
+    times = {}
     for tokens in (1, 32):
+        work = expert_work(tokens)
         runs = []
         for _ in range(rounds + 2):
-            work = expert_work(tokens, turn % experts)
-            turn += 1
             counters = Counters()
             lane.join(lane.submit(work, [], counters), counters)
             runs.append(counters.host_busy_seconds)

@@ -3,6 +3,7 @@ and the decoding parts (drafter, cost model, route source)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -159,14 +160,15 @@ class SpecFitRuntime:
         if self.experts_module is None:
             raise RuntimeError("the host lane is measured on the model's experts: enable() sets experts_module")
         x = torch.randn(32, self.store.hidden, dtype=self.store.compute_dtype)  # [32, H] on the host
-        experts = min(LANE_EXPERTS, self.num_experts)
+        experts, turn = min(LANE_EXPERTS, self.num_experts), itertools.count()
 
-        def work(tokens, expert):
-            rows = rows_by_expert(np.full(tokens, expert, dtype=np.int64))  # expert <- rows 0..tokens-1
-            return host_work(self.experts_module, self.store, 0, x,
-                             plan_group(rows, 1, [expert], None, HOST_PATH, 0))
+        def work(tokens):  # each run the next expert, in turn
+            each = [host_work(self.experts_module, self.store, 0, x, plan_group(
+                rows_by_expert(np.full(tokens, e, dtype=np.int64)), 1, [e], None, HOST_PATH, 0))
+                for e in range(experts)]  # expert e <- rows 0..tokens-1
+            return lambda: each[next(turn) % experts]()
 
-        measure_lane(self.lane, work, experts=experts)
+        measure_lane(self.lane, work)
         log.info("specfit host lane (%d threads): %.3f ms per expert at 1 token, %.1f us per extra token, over %d "
                  "experts in turn", self.lane.threads, self.lane.measured[0] * 1e3, self.lane.measured[1] * 1e6,
                  experts)
