@@ -131,3 +131,16 @@ def test_host_ids_reaching_specfits_loop_fail_as_on_cuda(embedded_model, monkeyp
     args = (ids, mask) if loop == "decode_batch" else (prompts[0], None)
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         model.generate(args[0], attention_mask=args[1], max_new_tokens=4, do_sample=False, assistant="specfit")
+
+
+def test_an_exported_folders_emulated_link_is_refused_on_a_device(tmp_path):
+    """An exported folder whose settings emulate a host link, loaded onto a device (here the stand-in's, as a GPU):
+    refused, naming the setting, before SpecFit is enabled."""
+    from conftest import tiny_moe
+
+    from specfit.export import runtime
+
+    model = tiny_moe().to(standin_device.register())
+    with pytest.raises(ValueError, match=r"'link_ms' 0.3 emulates a host link for CPU studies, and the model is on "
+                                         r"standin:0"):
+        runtime._enable(model, tmp_path, {"link_ms": 0.3})
