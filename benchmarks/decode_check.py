@@ -13,9 +13,9 @@ the decode phase, everything it did included.
 
 Each mode starts from empty expert slots, as on a freshly loaded model (nothing resident is inherited from the mode
 before it), then runs one warm-up prompt and the timed prompts, then one more prompt with host syncs counted: on
-CUDA by ``torch.cuda.set_sync_debug_mode("warn")`` (what the driver calls) plus the host waits on events, streams
-and the device that it does not report (counted by ``specfit.evaluation.syncs``), elsewhere by SpecFit's would-be-sync
-counter. The settings and each mode's row are printed (and ``--json`` rewritten) as
+CUDA by ``torch.cuda.set_sync_debug_mode("warn")`` (what the driver calls, stream synchronizes included) plus the
+host waits on events and the device that it does not report (counted by ``specfit.evaluation.syncs``), elsewhere by
+SpecFit's would-be-sync counter. The settings and each mode's row are printed (and ``--json`` rewritten) as
 soon as they are known, so a run cut short still leaves figures.
 
 Columns: tok/s over the decode phase (prefill excluded), host-to-device expert copies per output token, slot-cache hit
@@ -76,8 +76,8 @@ def generate(model, mode: str, prompt: torch.Tensor, new_tokens: int):
     if mode != "ar":
         kw["assistant"] = mode
     out = model.generate(prompt, **kw)
-    if out.device.type == "cuda":
-        torch.cuda.synchronize()
+    if model.specfit.cuda:  # the runtime's own device synchronize (the CUDA stand-in's double on a CPU)
+        model.specfit.engine.streams.synchronize()
     return out[0, prompt.shape[1]:].tolist(), model.specfit.stats.last_generate.copy()
 
 
@@ -141,32 +141,38 @@ def _run(args, emit, rounding) -> dict:
 
 
 def sync_counter(rt) -> str:
-    return "cuda sync debug mode + host waits" if rt.device.type == "cuda" else "would-be syncs (CPU count)"
+    if not rt.cuda:
+        return "would-be syncs (CPU count)"
+    return "cuda sync debug mode + host waits" + (" (the CUDA stand-in's)" if rt.device.type != "cuda" else "")
 
 
 def count_syncs(model, mode: str, prompt: torch.Tensor, new_tokens: int):
     """(host syncs, the call's counters) of one more decode of ``prompt``: on CUDA the warnings of
-    ``set_sync_debug_mode("warn")`` plus the host waits it does not see (event, stream and device synchronizes,
-    counted by SpecFit's counter), else SpecFit's would-be-sync counter."""
+    ``set_sync_debug_mode("warn")`` (a stream synchronize among them) plus the host waits it does not report (event
+    waits and device synchronizes, counted by SpecFit's counter), else SpecFit's would-be-sync counter."""
     from specfit.evaluation.syncs import WouldBeSyncs
+    from specfit.offload.standin_device import cuda_calls
 
-    if model.specfit.device.type != "cuda":
+    rt = model.specfit
+    if not rt.cuda:
         with WouldBeSyncs() as syncs:
             _, c = generate(model, mode, prompt, new_tokens)
         return syncs.total, c
+    cuda = cuda_calls(rt.device)  # torch.cuda, or on the CUDA stand-in its double (its own debug mode)
     kw = dict(max_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None)
     if mode != "ar":
         kw["assistant"] = mode
-    torch.cuda.synchronize()
+    rt.engine.streams.synchronize()
     with warnings.catch_warnings(record=True) as caught, WouldBeSyncs() as counter:
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        cuda.set_sync_debug_mode("warn")
         try:
             model.generate(prompt, **kw)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return sum("synchroniz" in str(x.message) for x in caught) + counter.waits, model.specfit.stats.last_generate.copy()
+            cuda.set_sync_debug_mode("default")
+    rt.engine.streams.synchronize()
+    reported = sum("synchroniz" in str(x.message) for x in caught)  # a stream synchronize: in both, counted once
+    return reported + counter.waits - counter.by_kind["stream synchronize"], model.specfit.stats.last_generate.copy()
 
 
 def route_source(model, mode: str) -> str | None:
@@ -191,8 +197,10 @@ def _info(args, rt, load_s: float, caught: list[str]) -> dict:
 
 
 def _device_label(rt) -> str:
-    if rt.device.type == "cuda":
-        return torch.cuda.get_device_name(rt.device)
+    if rt.cuda:
+        from specfit.offload.standin_device import cuda_calls
+
+        return cuda_calls(rt.device).get_device_name(rt.device)
     return "CPU"
 
 

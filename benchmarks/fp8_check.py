@@ -7,7 +7,7 @@ one row each:
   rows dequantized on the device as SpecFit computes them, then the same batched math), ms per layer.
 
     python benchmarks/fp8_check.py            # CUDA when available; --device cpu for a smoke run
-One JSON object per row on stdout. A standalone study: ``gpu_check.sh`` does not run it (its optional ``fp8`` stage
+One JSON object per row on stdout. A standalone study: ``gpu_check.py`` does not run it (its optional ``fp8`` stage
 decodes an FP8 checkpoint at the real shapes instead).
 """
 

@@ -67,12 +67,24 @@ def measure(store, experts_module, threads: int, repeats: int) -> dict:
 
 
 def copy_ms(store) -> float | None:
-    """ms for one expert's stored bytes from the pinned arena to the device (median; None without CUDA)."""
-    if not torch.cuda.is_available():
-        return None
+    """ms for one expert's stored bytes from the pinned arena to the device, through the copy engine's streams
+    (median; None without CUDA or the CUDA stand-in)."""
+    from gpu_stages import device_seams
+
     from specfit.offload.bandwidth import copy_seconds
 
-    return copy_seconds(SimpleNamespace(store=store, device=torch.device("cuda"))) * 1e3
+    seams = device_seams(required=False)
+    if seams is None:
+        return None
+    return copy_seconds(SimpleNamespace(store=store, device=seams.device,
+                                        engine=SimpleNamespace(streams=seams.streams))) * 1e3
+
+
+def copy_ms_possible() -> bool:
+    """Whether there is a device to copy to: CUDA, or the CUDA stand-in (arenas pinned as CUDA pins them)."""
+    from specfit.offload import standin
+
+    return standin.enabled() or torch.cuda.is_available()
 
 
 def result_line(name: str, store, threads: int, ms: dict, copy: float | None) -> str:
@@ -111,7 +123,7 @@ def main(argv=None) -> int:
     if args.experts < 1 or args.repeats < 1:
         raise SystemExit(f"--experts and --repeats must be >= 1, got {args.experts} and {args.repeats}")
     t0 = time.perf_counter()
-    bf16, fp8 = stores(args.experts, pin=torch.cuda.is_available(), hidden=args.hidden,
+    bf16, fp8 = stores(args.experts, pin=copy_ms_possible(), hidden=args.hidden,
                        intermediate=args.intermediate, block=(args.block, args.block))
     experts_module = _experts_module(args.hidden, args.intermediate)
     print(f"host experts: hidden {args.hidden}, moe_intermediate {args.intermediate}, {args.experts} experts per "

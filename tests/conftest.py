@@ -112,6 +112,21 @@ def model():
     return tiny_moe()
 
 
+@pytest.fixture(scope="module")
+def standin_embedded():
+    """(model, tokenizer): the embedded model and drafter enabled under the CUDA stand-in, on its device (distinct
+    from the host: ``specfit.offload.standin_device``), one thread."""
+    from specfit import embedded
+    from specfit.offload import standin, standin_device
+
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(standin.ENV, "1")
+        model, tokenizer = embedded.load(32)
+    assert standin_device.is_device(model.device) and model.specfit.cuda
+    return model, tokenizer
+
+
 class SelfDrafter(torch.nn.Module):
     """A test double with the Eagle3Drafter interface that drafts with a copy of the target itself: its draft
     probabilities are the target's own, so its top-1 token is the target's greedy token. With ``noise`` > 0 a node's
@@ -148,17 +163,18 @@ class SelfDrafter(torch.nn.Module):
         extra = self.kv.get_seq_length() - (n + 1)
         if extra > 0:
             self.kv.crop(-extra)
+        device = input_ids.device  # the target's (a GPU, or the CUDA stand-in's device)
         if n == 0 and self.kv.get_seq_length() == 0:
-            self.target(torch.tensor([[self.first_token]]), cache=self.kv, use_cache=True)
+            self.target(torch.tensor([[self.first_token]], device=device), cache=self.kv, use_cache=True)
         if attention_mask is not None:  # the copy's KV has token 0 in front of the drafter's entries
             attention_mask = torch.cat([torch.zeros_like(attention_mask[..., :1]), attention_mask], dim=-1)
         with torch.no_grad():
             logits = self.target(input_ids, cache=self.kv, position_ids=position_ids + 1,
                                  attention_mask=attention_mask, use_cache=True).logits * self.sharpen
-        if self.noise:
+        if self.noise:  # drawn on the host (the same draws on any device), then moved
             flip = torch.rand(logits.shape[:2], generator=self.generator) < self.noise
             noise = torch.randn(logits.shape, generator=self.generator) * 3
-            logits = torch.where(flip[..., None], noise, logits)
+            logits = torch.where(flip[..., None].to(device), noise.to(device), logits)
         T = input_ids.shape[1]
-        cache.append(torch.zeros(1, 1, T, 1), torch.zeros(1, 1, T, 1))
-        return logits, torch.zeros(1, T, self.config.hidden_size)
+        cache.append(torch.zeros(1, 1, T, 1, device=device), torch.zeros(1, 1, T, 1, device=device))
+        return logits, torch.zeros(1, T, self.config.hidden_size, device=device)

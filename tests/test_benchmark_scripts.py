@@ -1,5 +1,5 @@
-"""The benchmark scripts' CPU-runnable parts: the synthetic hub-layout checkpoint writer, the decode check, and the
-argument handling of the prepared GPU check."""
+"""The benchmark scripts' CPU-runnable parts: the synthetic hub-layout checkpoint writer, the decode check, the
+host-expert check (the prepared GPU check itself: tests/test_gpu_check.py)."""
 
 import json
 import os
@@ -187,67 +187,6 @@ def test_decode_check_require_grouped_fails_on_the_gathered_path(tiny_ckpt, caps
     assert "FAIL (--require-grouped)" in capsys.readouterr().out
 
 
-GPU_CHECK = ["bash", str(BENCHMARKS / "gpu_check.sh")]
-
-
-def run(args, timeout=60, **env):
-    environ = {k: v for k, v in os.environ.items() if k != "OUT"} | env
-    return subprocess.run(args, capture_output=True, text=True, env=environ, timeout=timeout)
-
-
-def test_gpu_check_arguments(tmp_path):
-    help_text = run(GPU_CHECK + ["--help"])
-    assert help_text.returncode == 0 and "usage: bash benchmarks/gpu_check.sh" in help_text.stdout
-    assert run(GPU_CHECK).returncode == 2  # no output folder and no $OUT
-    assert "unknown option" in run(GPU_CHECK + ["--bogus", str(tmp_path)]).stderr
-    assert run(GPU_CHECK + [str(tmp_path / "a"), str(tmp_path / "b")]).returncode == 2
-    bad_stage = run(GPU_CHECK + ["--stages", "env,warp", str(tmp_path)])
-    assert bad_stage.returncode == 2 and "unknown stage 'warp'" in bad_stage.stderr
-    assert run(["bash", str(BENCHMARKS / "gpu_wheels.sh"), "--help"]).returncode == 0
-
-
-def test_gpu_check_dry_run_writes_the_plan_to_one_log(tmp_path):
-    """Issue 39, 3: both parts in one call inside the 600 s command limit, start-up priced at 150 s, and a rerun of
-    the longer part inside 15 device-minutes even after a fresh start."""
-    out = tmp_path / "out"
-    dry = run(GPU_CHECK + ["--dry-run"], OUT=str(out))  # the folder from $OUT
-    assert dry.returncode == 0, dry.stderr
-    log = (out / "gpu_check.log").read_text()
-    assert log == dry.stdout and list(out.iterdir()) == [out / "gpu_check.log"]
-    for expected in ("pytest -m cuda tests/test_cuda.py", "--preset qwen3-30b-a3b --layers 6",
-                     "--slots 48 --cache-mode cached", "decode_check.py", "benchmarks/host_expert_check.py",
-                     "--profile " + str(out / "profile-cached.json"), "--reference --require-pinned --require-grouped",
-                     "part 1 (env pytest bandwidth host-experts): 195s; part 2 (env checkpoint calibrate decode): 215s",
-                     "this call (part 1+2): 370s of the 600s a command may run: fits; with start-up 520s "
-                     "(8.7 device-minutes); run it with timeout_s 600",
-                     "one rerun of the longer part (part 2, 215s): at once on the warm machine 735s (12.2 "
-                     "device-minutes), margin 165s; after a fresh start 885s (14.8 device-minutes), margin 15s of the "
-                     "900s: fits"):
-        assert expected in log, expected
-    # calibrate: a verdict to report, not a gate; enough records; no plot
-    assert "--probes 48 --max-new-tokens 48" in log and "--plot none --force" in log
-    assert "--cache-mode cleared" not in log  # one profile prices every cache mode: calibrate runs once
-
-
-@pytest.mark.parametrize("part, stages, absent", [
-    ("1", ("pytest -m cuda", "bandwidth 25", "host_expert_check.py"), "decode_check.py"),
-    ("2", ("synthetic_checkpoint.py", "decode_check.py"), "pytest -m")])
-def test_gpu_check_parts_plan_their_own_stages(tmp_path, part, stages, absent):
-    dry = run(GPU_CHECK + ["--dry-run", "--part", part, str(tmp_path)])
-    assert dry.returncode == 0, dry.stderr
-    log = (tmp_path / f"gpu_check-part{part}.log").read_text()
-    assert all(s in log for s in stages) and absent not in log.split("dry run: the stages")[1]
-    assert "run the other at once after it, inside the warm window" in log
-
-
-def test_gpu_check_dry_run_fails_when_the_plan_would_not_fit(tmp_path):
-    short = run(GPU_CHECK + ["--dry-run", str(tmp_path)], COMMAND_LIMIT="300")  # both parts need 370 s
-    assert short.returncode == 1 and "370s of the 300s a command may run: OVER" in short.stdout
-    slow_start = run(GPU_CHECK + ["--dry-run", str(tmp_path)], STARTUP="160")  # the cold rerun: 905 s
-    assert slow_start.returncode == 1 and "margin -5s of the 900s: OVER: leave a stage to the next run" in slow_start.stdout
-    assert run(GPU_CHECK + ["--part", "3", str(tmp_path)]).returncode == 2
-
-
 def test_cycle_profile_parts_add_up(tmp_path):
     """The cycle profile on the embedded model: every part is non-negative and the parts (with 'other') are the
     cycle; it refuses nothing lossy (the script checks every method's tokens against AR's)."""
@@ -279,70 +218,6 @@ def test_cycle_profile_parts_add_up(tmp_path):
     assert eagle["levels_per_cycle"] == 2 and eagle["drafting_per_level_ms"] > 0
     assert eagle["parts_ms"]["drafter forward, committed tokens (extend)"] > 0
     assert (tmp_path / "profile.md").read_text().startswith("Cycle profile")
-
-
-def fake_python(tmp_path):
-    """A PYTHON for gpu_check.sh that runs the real interpreter, except ``-m specfit.cli calibrate``, which writes a
-    poor fit's profile to --out and exits 0 only with --force (calibrate's exit status for a poor fit is 3),
-    ``benchmarks/decode_check.py``, which fails as its gate does, naming the profile it was handed, and
-    ``benchmarks/synthetic_checkpoint.py``, which writes nothing (nothing reads the checkpoint)."""
-    profile = CostModel(intercepts=(0.01,) * 8, beta=1e-4, copy_overhead=2e-4, link_share=1.0,
-                        meta=dict(quality=dict(verdict="poor", heldout_r2=0.12, reasons=["held-out R^2 0.120 < 0.5"])))
-    profile.save(tmp_path / "poor.json")
-    script = tmp_path / "python"
-    script.write_text(f"""#!/usr/bin/env bash
-if [ "$1 $2 $3" = "-m specfit.cli calibrate" ]; then
-    out=$(echo " $* " | sed -E 's/.* --out ([^ ]+) .*/\\1/')
-    case " $* " in *" --force "*) cp {tmp_path / "poor.json"} "$out"; exit 0 ;; esac
-    exit 3
-fi
-if [ "$1" = benchmarks/synthetic_checkpoint.py ]; then
-    mkdir -p "$2" && exit 0  # the calibrate and decode below are fakes too: no checkpoint to write
-fi
-if [ "$1" = benchmarks/decode_check.py ]; then
-    echo "handed: $(echo " $* " | sed -E 's/.* --profile ([^ ]+) .*/\\1/')"
-    echo "FAIL (--reference): the slot cache's experts outputs are 1.5 standard deviations from the reference's"
-    exit 1
-fi
-exec {sys.executable} "$@"
-""")
-    script.chmod(0o755)
-    return str(script)
-
-
-CPU_PART2 = dict(ALLOW_CPU="1", PRESET="tiny", LAYERS="4", SLOTS="12", OMP_NUM_THREADS="1", TOTAL_BUDGET="400")
-
-
-def test_gpu_check_env_fails_on_a_missing_package(tmp_path):
-    """Issue 29, 5: a package the run imports that is not on the machine (here: platformdirs, absent from the GPU
-    image) fails the env stage and names the remedy."""
-    shadow = tmp_path / "shadow" / "platformdirs"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('not in this image')\n")
-    res = run(GPU_CHECK + ["--part", "2", "--stages", "env", str(tmp_path / "out")], timeout=300,
-              PYTHONPATH=str(tmp_path / "shadow"), PYTHON=sys.executable, WORK=str(tmp_path / "work"), **CPU_PART2)
-    assert res.returncode != 0, res.stdout[-2000:]
-    assert "platformdirs     MISSING" in res.stdout and "FAIL: missing on this machine: platformdirs" in res.stdout
-    assert "bash benchmarks/gpu_wheels.sh" in res.stdout and "[env] FAIL" in res.stdout
-    assert "RESULT stage env: FAIL (0s): FAIL: missing on this machine: platformdirs" in res.stdout.replace(
-        re.search(r"RESULT stage env: FAIL \((\d+)s\)", res.stdout)[0], "RESULT stage env: FAIL (0s)")
-
-
-def test_gpu_check_reports_the_fit_verdict_and_why_a_stage_failed(tmp_path):
-    """Issue 39, 2 and 3: a poor fit is a figure (the stage passes, the profile goes to decode), and the summary says
-    in one place what passed, what failed and why."""
-    out = tmp_path / "out"
-    res = run(GPU_CHECK + ["--part", "2", "--stages", "env,checkpoint,calibrate,decode", str(out)], timeout=400,
-              PYTHON=fake_python(tmp_path), WORK=str(tmp_path / "work"), **CPU_PART2)
-    text = res.stdout
-    assert "[env] PASS" in text and "[checkpoint] PASS" in text and "[calibrate] PASS" in text, text[-3000:]
-    assert "RESULT calibration verdict: POOR (held-out R^2 0.120 < 0.5); the profile goes to decode either way" in text
-    assert f"handed: {out / 'profile-cached.json'}" in text
-    summary = text.split("SUMMARY")[1]
-    assert re.search(r"RESULT stage calibrate: PASS \(\d+s\)", summary)
-    assert re.search(r"RESULT stage decode: FAIL \(exit 1\) \(\d+s\): FAIL \(--reference\): the slot cache's "
-                     r"experts outputs are 1.5 standard deviations", summary), summary
-    assert "RESULT check: FAIL: 3 of 4 stages passed; not passed: decode" in summary and res.returncode != 0
 
 
 def test_host_expert_check_runs_on_a_cpu(tmp_path, capsys):
@@ -383,13 +258,3 @@ def test_fp8_synthetic_checkpoint_loads_as_transformers_loads_it(tmp_path):
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="does not tile"):
         sc.stored_tensors("model.layers.0.self_attn.q_proj.weight", (64, 64), 48)
-
-
-def test_gpu_check_fp8_stage_is_the_next_runs_unless_it_fits(tmp_path):
-    """Issue 39, 4: the FP8 decode at real shapes is optional (FP8=1); with it the plan leaves no room for a rerun
-    after a fresh start, and the dry run says so."""
-    dry = run(GPU_CHECK + ["--dry-run", str(tmp_path)], FP8="1")
-    assert dry.returncode == 1 and "part 2 (env checkpoint calibrate decode fp8): 305s" in dry.stdout
-    assert "OVER: leave a stage to the next run" in dry.stdout and "--fp8-block 128" in dry.stdout
-    alone = run(GPU_CHECK + ["--dry-run", "--part", "2", "--stages", "env,checkpoint,fp8", str(tmp_path)], FP8="1")
-    assert alone.returncode == 0 and "this call (part 2): 175s of the 600s" in alone.stdout

@@ -51,6 +51,7 @@ def test_the_copy_engine_seam_calls_cuda_as_cuda_takes_it(fake_cuda):
     CudaCopies(CUDA).event()
     assert fake_cuda[-1][0] == "Event"
     assert torch.equal(HostCopies(torch.device("cpu")).to_device(src), src)
+    assert not HostCopies(torch.device("cpu")).is_pinned(src)  # torch's own answer: pageable
     assert device_name(types.SimpleNamespace(device=CUDA)) == "H200"
 
 

@@ -39,7 +39,7 @@ def small(tmp_path_factory):
 
 def test_correct_code_passes_the_gate_on_the_stand_in(small):
     with other_rounding(small):
-        ids = prompt(0)
+        ids = prompt(0).to(small.device)
         ref = reference_gap(small, ids, 4)
         assert ref["max_gap"] < TOLERANCE / 3 and ref["layer_gap"] < TOLERANCE / 3, ref
         for assistant in ("eagle3", "specfit"):
@@ -57,5 +57,5 @@ def test_a_fault_fails_the_gate_on_the_stand_in(small, monkeypatch, fault, seen_
     small.specfit.clear_cache()
     fault(monkeypatch)
     with other_rounding(small):
-        ref = reference_gap(small, prompt(0), 4)
+        ref = reference_gap(small, prompt(0).to(small.device), 4)
     assert ref[seen_by] > TOLERANCE and ref["max_gap"] > TOLERANCE, ref

@@ -24,7 +24,7 @@ from .decoding.options import DecodingOptions
 from .decoding.strategy import install_generation_strategy, remove_generation_strategy
 from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
-from .offload import checkpoint, moves, policies
+from .offload import checkpoint, moves, policies, standin
 from .offload.config import OffloadConfig
 from .offload.formats import DenseFormat
 from .offload.experts import ATTR, COMPILE_REASON, specfit_experts_forward
@@ -103,6 +103,7 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     elif store.layout != first.layout:
         raise ValueError(f"the store holds experts of layout {store.layout}, the model's are {first.layout}")
     plans = hf_layers.hide_expert_plans(model)  # the parallel plans name only tensors the model holds
+    device = standin.place(model, device)  # the CUDA stand-in: the weights on a device distinct from the host
 
     runtime = SpecFitRuntime(store, config, device)
     runtime.experts_module = first.experts  # the real host lane is timed on it
@@ -175,6 +176,7 @@ def _disable(model: nn.Module, runtime) -> nn.Module:
         hf_layers.restore_expert_tensors(moe, runtime.store.tensors(i), r["param_device"], r["param_dtype"],
                                     r["requires_grad"])
     runtime.store.release()
+    standin.unplace(model, runtime.device)
     del model.specfit
     return model
 

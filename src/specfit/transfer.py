@@ -44,6 +44,16 @@ class CudaCopies:
         return torch.cuda.Event()
 
 
+DOUBLES: dict = {}  # device type -> factory(device) of the CUDA calls' doubles (the CUDA stand-in registers its own)
+GENERATORS: dict = {}  # device type -> factory(device) of a generator for draws there (the CUDA stand-in's own)
+
+
+def device_generator(device) -> torch.Generator:
+    """A random generator for draws on ``device``: torch's own for it (or the CUDA stand-in's for its device)."""
+    make = GENERATORS.get(torch.device(device).type)
+    return make(device) if make is not None else torch.Generator(device=device)
+
+
 class Staging:
     """Pinned staging buffers for host -> device transfers of int64 values, on one device.
 
@@ -53,6 +63,9 @@ class Staging:
 
     def __init__(self, device, cuda: CudaCopies | None = None):
         self.device = torch.device(device)
+        double = DOUBLES.get(self.device.type)  # the CUDA stand-in's device: its doubles, as a runtime passes them
+        if cuda is None and double is not None:
+            cuda = double(self.device)
         self.pinned = self.device.type == "cuda" or cuda is not None  # (a CPU "device" given doubles: the stand-in)
         self._buffers: list[torch.Tensor | None] = [None] * _RING  # pinned int64 [capacity]
         self._events: list = [None] * _RING  # CUDA events: the copy out of each buffer has run
@@ -149,4 +162,4 @@ def to_host(*tensors: torch.Tensor, pack: bool = False) -> list[np.ndarray]:
     return out
 
 
-__all__ = ["Staging", "CudaCopies", "host_wait", "in_host_wait", "listen_host_waits", "to_host"]
+__all__ = ["Staging", "CudaCopies", "device_generator", "host_wait", "in_host_wait", "listen_host_waits", "to_host"]

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ..transfer import device_generator
+
 _MASK = (1 << 64) - 1
 
 
@@ -61,7 +63,7 @@ class PositionNoise:
         device = scores.device
         generator = self._generators.get(device)
         if generator is None:
-            generator = self._generators[device] = torch.Generator(device=device)
+            generator = self._generators[device] = device_generator(device)
         generator.manual_seed(position_seed(self.seed, position))
         u = torch.rand(scores.shape[-1], generator=generator, device=device, dtype=torch.float64)
         return -torch.log(-torch.log(u.clamp_(min=torch.finfo(torch.float64).tiny)))

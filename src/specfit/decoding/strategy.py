@@ -96,11 +96,18 @@ class SpecFitGenerationMixin:
         runtime = getattr(self, "specfit", None)
         if runtime is not None and runtime.request is not None:
             runtime.request_served = True
-            if input_ids.shape[0] > 1:  # a batch, or num_return_sequences > 1: every row's tree in one forward
-                return decode_batch(self, runtime.request, input_ids, logits_processor, stopping_criteria,
-                                    generation_config, streamer=streamer, **model_kwargs)
-            return decode(self, runtime.request, input_ids, logits_processor, stopping_criteria, generation_config,
-                          streamer=streamer, **model_kwargs)
+            # inputs on any device, as transformers' own loop takes them ("Inputs on CPU are supported"): moved to
+            # the model's device before SpecFit's loops call the model with them; the output goes back to the inputs'
+            # device, where transformers' loop keeps the sequences and scores
+            home = input_ids.device
+            input_ids = input_ids.to(self.device)  # [B, T]
+            for key in ("attention_mask", "position_ids"):
+                if isinstance(model_kwargs.get(key), torch.Tensor):
+                    model_kwargs[key] = model_kwargs[key].to(self.device)
+            loop = decode_batch if input_ids.shape[0] > 1 else decode  # a batch: every row's tree in one forward
+            out = loop(self, runtime.request, input_ids, logits_processor, stopping_criteria, generation_config,
+                       streamer=streamer, **model_kwargs)
+            return returned_on(out, home)
         scope = None if runtime is None else runtime.stats.scope or runtime.stats.begin_generate()
         out = super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                               synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
@@ -120,6 +127,18 @@ class SpecFitGenerationMixin:
                              f"{hf_experts.EXPERTS_IMPL!r} experts implementation. Call specfit.disable(model) first "
                              f"(it restores the experts as parameters), then set the implementation")
         return super().set_experts_implementation(experts_implementation)
+
+
+def returned_on(out, device: torch.device):
+    """``_sample``'s output with its sequences [B, T] (and scores, raw logits) on ``device``, the inputs' device, as
+    transformers' own loop returns them."""
+    if isinstance(out, torch.Tensor):
+        return out.to(device)
+    out.sequences = out.sequences.to(device)
+    for key in ("scores", "logits"):
+        if getattr(out, key, None) is not None:
+            setattr(out, key, tuple(t.to(device) for t in getattr(out, key)))
+    return out
 
 
 def requested_assistant(model, assistant, named: dict):

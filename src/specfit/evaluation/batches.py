@@ -18,8 +18,9 @@ def left_padded(prompt_ids: list[torch.Tensor], batch: int, pad: int) -> list[tu
     for start in range(0, len(prompt_ids), batch):
         rows = [p.reshape(-1) for p in prompt_ids[start:start + batch]]
         width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=rows[0].dtype)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        device = rows[0].device  # the batch where its prompts are (a GPU model's, or the host's for generate())
+        ids = torch.full((len(rows), width), pad, dtype=rows[0].dtype, device=device)  # [B, T]
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)  # [B, T]
         for b, r in enumerate(rows):
             ids[b, width - len(r):], mask[b, width - len(r):] = r, 1
         groups.append((ids, mask))

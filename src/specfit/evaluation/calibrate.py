@@ -96,6 +96,9 @@ def add_arguments(p) -> None:
                         "the embedded model's structural default host lane at RATIO x the link's bandwidth (default "
                         "2.5, and the same at half its bandwidth); 0: no host-lane rounds (the profile then prices "
                         "host experts at the lane's own time)")
+    p.add_argument("--lane-seconds", type=float, default=None, metavar="S",
+                   help="the most seconds the host-lane rounds may take, estimated from the lane's measured time per "
+                        "expert before they start; over it they are skipped, said why (default: no bound)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="the dtype the model computes in (default: the checkpoint's; the embedded model's: float32); "
                         "a profile is filed under it, so each dtype gets one of its own, e.g. for "
@@ -136,6 +139,8 @@ def check_arguments(args) -> None:
     check.milliseconds(args, "link_ms")
     if args.host_ratio is not None and not (math.isfinite(args.host_ratio) and args.host_ratio >= 0):
         raise ValueError(f"--host-ratio must be a finite number >= 0 (0: no host-lane rounds), got {args.host_ratio}")
+    if args.lane_seconds is not None and not (math.isfinite(args.lane_seconds) and args.lane_seconds > 0):
+        raise ValueError(f"--lane-seconds must be a finite number of seconds > 0, got {args.lane_seconds}")
     if args.default_link is not None and not args.default_link >= 0:
         raise ValueError(f"--default-link RATIO scales the structural default link, a number >= 0 (0: no link), got "
                          f"{args.default_link}")
@@ -203,6 +208,9 @@ def main(args) -> int:
         model, tokenizer = _load(args)
         # said before the probes' minutes
         print(f"loaded in {time.perf_counter() - t0:.1f} s: {model.specfit!r}", flush=True)
+        if model.specfit.lane is not None and model.specfit.lane.real:  # measured at enable: a slow lane says so
+            print(f"host lane: {model.specfit.host_seconds(1) * 1e3:.3f} ms per expert at 1 token, "
+                  f"{model.specfit.host_seconds(32) * 1e3:.3f} ms at 32", flush=True)
         prompts = _prompt_ids(args, texts, tokenizer, model)
         with tqdm(desc="calibration (planning round, then timed rounds)", unit="generate") as bar:
             def progress(done, total):
@@ -212,7 +220,7 @@ def main(args) -> int:
 
             result = calibrate(model, prompts, probes=args.probes, repeats=args.repeats, seed=args.seed,
                                max_new_tokens=args.max_new_tokens, bootstrap=args.bootstrap, progress=progress,
-                               lanes=_probe_lanes(args, model))
+                               lanes=_probe_lanes(args, model), lane_seconds=args.lane_seconds)
     except KeyboardInterrupt:  # nothing half-fitted is installed: the profile in place (if any) stays as it was
         where = args.out or "the user cache's profile for this model"
         raise KeyboardInterrupt(f"before the fit: no profile installed ({where} unchanged){kept}") from None

@@ -55,6 +55,7 @@ from ..selection.fit_quality import Pool, assess
 from ..selection.profiles import device_name, link_seconds, model_id, model_key
 from ..selection.route_sources import ROUTE_SOURCES, choose_route_source, oracle_routes
 from ..selection.selector import select_subtree
+from .lane_budget import bounded_lanes
 
 # The statistic kept per configuration: its fastest repeat. Interference from other work only ever adds time (a
 # descheduled thread, evicted caches), so the noise is one-sided; measured on a shared 2-core machine (embedded model,
@@ -229,14 +230,16 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
               seed: int = PROBES["seed"], warmup: int = PROBES["warmup_cycles"],
               max_new_tokens: int = PROBES["max_new_tokens"], candidates: int = PROBES["candidates"],
               bootstrap: int = PROBES["bootstrap"], folds: int = PROBES["folds"], gate: dict | None = None,
-              links=None, lanes=None, progress=None, batch_rows=tuple(PROBES["batch_rows"])) -> Calibration:
+              links=None, lanes=None, progress=None, batch_rows=tuple(PROBES["batch_rows"]),
+              lane_seconds: float | None = None) -> Calibration:
     """Run the probes on an enabled model (with a drafter) over ``prompts`` ([1, P] token ids): ``probes``
     configurations after ``warmup`` cycles per prompt, each timed ``repeats`` times on each of ``links`` (default
     ``probe_links(model)``; every cold expert copied) and of ``lanes`` (default ``probe_lanes(model)``; every cold
     expert computed on the host); fit, assess and return them. Then the batch probes (``batch_probes.py``) time
     batches of ``batch_rows`` rows (none: ``()``) and add a batch's fixed time to the profile (``meta["batch"]``).
 
-    ``progress``, if given, is called as ``progress(done, total)`` in generate() calls."""
+    ``progress``, if given, is called as ``progress(done, total)`` in generate() calls. ``lane_seconds``: the most
+    the lane rounds may take by the lane's measured speed (``lane_budget.py``), else they are skipped."""
     for name, value, low in (("probes", probes, 10), ("repeats", repeats, LEAST["repeats"]),
                              ("bootstrap", bootstrap, LEAST["bootstrap"]), ("candidates", candidates, 1),
                              ("warmup", warmup, 0), ("max_new_tokens", max_new_tokens, warmup + 1), ("folds", folds, 2)):
@@ -259,12 +262,13 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
 
     plans: list[tuple[int, list[Planned]]] = []  # (prompt index, its cycles)
     pools: list[Pool] = []
-    configs, oracle = 0, False
+    configs, oracle, planned = 0, False, [0, 0]  # planned: experts computed while decoding, in prefills
     while configs < probes:
         before = configs
         for i, ids in enumerate(prompts):
             probe = PlanningProbe(model, rng, sizes, candidates)
             _generate(model, ids, probe, max_new_tokens)
+            planned = [planned[0] + runtime.stats.last_generate.demand, planned[1] + runtime.stats.last_prefill.demand]
             oracle = probe.oracle
             plans.append((i, probe.plan))
             pools += probe.pools[warmup:]
@@ -277,6 +281,9 @@ def calibrate(model, prompts: list[torch.Tensor], probes: int = PROBES["probes"]
                                f"cycles (an eos, or max_new_tokens={max_new_tokens}); use longer generations "
                                f"(max_new_tokens; the command's --max-new-tokens) or other prompts")
 
+    lanes = bounded_lanes(runtime, lanes, tuple(planned), repeats, lane_seconds,
+                          fits_without=probes * len(links) * repeats >= need)
+    settings = [(link, None) for link in links] + [(links[-1], lane) for lane in lanes]
     # (plan, cycle, link) -> [(CycleRecord, level seconds, diverged)] per round
     timed: dict[tuple[int, int, int], list] = {}
     order = list(range(len(plans)))
@@ -405,7 +412,6 @@ def _link_seconds(runtime, link) -> float:
 
 def _label(link) -> str:
     return link.label if link is not None else "real copies"
-
 
 
 def _generate(model, ids, probe, max_new_tokens) -> list:

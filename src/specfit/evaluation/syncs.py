@@ -23,8 +23,8 @@ Not counted: copies from pinned memory with ``non_blocking=True`` (``specfit.tra
 indexing with device tensors, ``torch.arange``/``torch.full`` on the device, ``.to("cpu")`` and ``.to(device)`` of a
 host tensor, and a host *tensor* used as an index into a device tensor (all ambiguous on a CPU run, where host and
 device are one: write ``.cpu()`` for a device-to-host read, ``Staging.to_device`` for host-to-device). On CUDA, the
-GPU check adds what ``torch.cuda.set_sync_debug_mode("warn")`` reports (which sees no event or stream wait) to the
-host waits counted here.
+GPU check adds what ``torch.cuda.set_sync_debug_mode("warn")`` reports (stream synchronizes among them, but no event
+wait or device synchronize) to the host waits counted here, less the stream synchronizes both would count.
 
 >>> import torch
 >>> x = torch.arange(6)
@@ -135,7 +135,7 @@ class WouldBeSyncs:
         self.total = 0
         self.by_kind: Counter = Counter()
         self.where: Counter = Counter()
-        self.waits = 0  # of total: host waits on events, streams or the device (what CUDA's debug mode cannot see)
+        self.waits = 0  # of total: host waits on events, streams or the device (debug mode reports the streams')
         self._depth = 0
         self._modes = (_Functions(self), _Dispatch(self))
         self._saved: list = []

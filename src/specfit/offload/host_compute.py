@@ -22,6 +22,7 @@ joining it).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,18 @@ from ..stats.counters import Counters
 from .host_lane import EmulatedHostLane
 
 ROWS_WITH_ROUTES = 64  # CUDA: tokens up to which a forward's rows go to the host with its routes ("auto")
+LANE_EXPERTS = 16  # experts the lane is timed over in turn: ~150 MB between two reads of one at Qwen3-30B-A3B's shape,
+# more than a host's last-level cache, so its bytes come from DRAM as a missed expert's do
+
+
+def machine_threads() -> int:
+    """The host lane's torch threads: every core this process may run on but one (the Python thread queues the
+    device's work meanwhile), whatever ``torch.set_num_threads`` the caller set for its own thread."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (macOS)
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 class InlineLane:
@@ -78,6 +91,10 @@ class HostCopies:
         """A device copy of ``pinned``, queued on the current stream (the host goes on at once)."""
         return pinned.to(self.device, non_blocking=True)
 
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s host memory is page-locked (``pinned_like``'s, or registered with CUDA)."""
+        return t.is_pinned()
+
 
 class ThreadedLane:
     """The real host lane beside a CUDA device: one worker thread computes each layer's host experts while the
@@ -85,8 +102,9 @@ class ThreadedLane:
 
     real = True
 
-    def __init__(self, device: torch.device, copies: HostCopies | None = None):
+    def __init__(self, device: torch.device, copies: HostCopies | None = None, threads: int | None = None):
         self.copies = copies or HostCopies(torch.device(device))
+        self.threads = threads or machine_threads()  # the worker's torch threads (its own: not the caller's setting)
         self._pool: ThreadPoolExecutor | None = None  # started on first use
         self.measured: tuple[float, float] | None = None  # (seconds per expert at 1 token, per extra token)
 
@@ -98,7 +116,8 @@ class ThreadedLane:
 
     def submit(self, work: Callable[[], torch.Tensor], costs: list[tuple[int, int]], counters: Counters):
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specfit-host-lane")
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specfit-host-lane",
+                                            initializer=torch.set_num_threads, initargs=(self.threads,))
         copies = self.copies
 
         def run():
@@ -125,8 +144,9 @@ class ThreadedLane:
 
 def measure_lane(lane: ThreadedLane, expert_work: Callable[[int], Callable[[], torch.Tensor]],
                  rounds: int = 9) -> tuple[float, float]:
-    """Time the real lane on one expert at 1 and at 32 tokens (``expert_work(tokens)`` makes the work; the median
-    of ``rounds`` after a warm-up each), once per runtime: (seconds at 1 token, seconds per extra token)."""
+    """Time the real lane at 1 and at 32 tokens (``expert_work(tokens)`` makes the work, which may take another
+    expert each run, as a miss brings them; the median of ``rounds`` after two warm-ups each), once per runtime:
+    (seconds at 1 token, seconds per extra token)."""
     times = {}
     for tokens in (1, 32):
         work = expert_work(tokens)

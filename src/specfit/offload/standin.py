@@ -23,9 +23,14 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from contextlib import contextmanager
 
 import torch
+
+from ..transfer import DOUBLES
+from . import standin_device
+from .standin_device import raw
 
 ENV = "SPECFIT_CUDA_STANDIN"
 LEDGER: list[tuple[str, int, int]] = []  # ("register" | "release", pointer, bytes), in order
@@ -37,8 +42,26 @@ def enabled() -> bool:
 
 
 def active(device) -> bool:
-    """Whether a runtime on ``device`` takes the CUDA flow on the stand-in: a CPU device with the stand-in on."""
-    return enabled() and torch.device(device).type == "cpu"
+    """Whether a runtime on ``device`` takes the CUDA flow on the stand-in: a CPU device (or the stand-in's own) with
+    the stand-in on."""
+    return enabled() and torch.device(device).type in ("cpu", standin_device.NAME)
+
+
+def place(model, device) -> torch.device:
+    """The device an enabled model computes on: ``device``, or with the stand-in on, for a CPU device, the stand-in's
+    device (``standin_device``: distinct from the host, as a GPU is), where ``model``'s weights are moved."""
+    if not active(device):
+        return torch.device(device)
+    target = standin_device.register()
+    DOUBLES.setdefault(target.type, lambda on: Copies(Streams(), on))  # a staging ring made there: CUDA's flow
+    model.to(target)
+    return target
+
+
+def unplace(model, device) -> None:
+    """``disable``: a model the stand-in placed goes back to the host, where it was."""
+    if standin_device.is_device(device):
+        model.to("cpu")
 
 
 class Marker:
@@ -160,7 +183,7 @@ class Streams:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream = self._current
-        start = dst.data_ptr()
+        start = raw(dst).data_ptr()
         end = start + dst.numel() * dst.element_size()
         if stream is not self.compute and not any(a <= start and end <= b for a, b in stream.tied):
             raise AssertionError(f"a copy on the {stream.name} stream writes a buffer not tied to that stream: freed "
@@ -168,8 +191,8 @@ class Streams:
         stream.push(("copy", dst, src))
 
     def tie(self, tensor: torch.Tensor, stream: Stream) -> None:
-        base = tensor.untyped_storage().data_ptr()
-        stream.tied.append((base, base + tensor.untyped_storage().nbytes()))
+        storage = raw(tensor).untyped_storage()
+        stream.tied.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
 
     def synchronize(self) -> None:
         for stream in self.created:
@@ -177,10 +200,11 @@ class Streams:
 
 
 class Copies:
-    """``transfer.CudaCopies`` on the CPU: the staging ring's buffers, its copy (on the compute stream: at once)."""
+    """``transfer.CudaCopies`` on the CPU: the staging ring's host buffers, its copy to the device (on the compute
+    stream: at once)."""
 
-    def __init__(self, streams: Streams):
-        self.streams = streams
+    def __init__(self, streams: Streams, device: torch.device):
+        self.streams, self.device = streams, device
         self.pinned_buffers = 0
 
     def pinned(self, n: int) -> torch.Tensor:
@@ -188,7 +212,7 @@ class Copies:
         return torch.empty(n, dtype=torch.int64)
 
     def copy(self, src: torch.Tensor) -> torch.Tensor:
-        return src.clone()
+        return src.to(self.device, copy=True)
 
     def event(self):
         streams = self.streams
@@ -203,16 +227,36 @@ class Copies:
 class HostCopies:
     """``host_compute.HostCopies`` on the CPU: the lane's result buffer, and its copy to the "device"."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.device = device
         self.buffers = self.copies = 0
+        self._pinned: dict[int, weakref.ref] = {}  # storage pointer -> the buffer made there, while it lives
 
     def pinned_like(self, t: torch.Tensor) -> torch.Tensor:
         self.buffers += 1
-        return torch.empty_like(t)
+        buffer = torch.empty(t.shape, dtype=t.dtype)
+        self._pinned = {p: r for p, r in self._pinned.items() if r() is not None}
+        self._pinned[buffer.untyped_storage().data_ptr()] = weakref.ref(buffer)
+        return buffer
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Made by ``pinned_like`` (a CPU cannot page-lock: the double keeps the books), or registered by a store
+        and not released since."""
+        ptr = raw(t).untyped_storage().data_ptr()
+        made = self._pinned.get(ptr)
+        if made is not None and made() is not None:
+            return True
+        registered: dict[int, int] = {}
+        for kind, start, n in LEDGER:
+            if kind == "register":
+                registered[start] = n
+            else:
+                registered.pop(start, None)
+        return any(start <= ptr < start + n for start, n in registered.items())
 
     def to_device(self, pinned: torch.Tensor) -> torch.Tensor:
         self.copies += 1
-        return pinned.clone()
+        return pinned.to(self.device, copy=True)
 
 
 class Pinning:
@@ -242,12 +286,12 @@ class Pinning:
 class StandIn:
     """The doubles one runtime uses."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
         self.streams = Streams()
-        self.copies = Copies(self.streams)
-        self.host_copies = HostCopies()
+        self.copies = Copies(self.streams, device)
+        self.host_copies = HostCopies(device)
 
 
 def for_device(device) -> StandIn | None:
     """A fresh set of doubles for a runtime on ``device``, or None where it takes its own flow."""
-    return StandIn() if active(device) else None
+    return StandIn(torch.device(device)) if active(device) else None
