@@ -424,3 +424,20 @@ def test_a_batch_rows_pool_is_routed_as_its_pool_alone(monkeypatch):
         together_nodes, together_root = first[tokens]
         assert (together_root == root).all()
         assert (together_nodes[:len(nodes)] == nodes).all(), f"row {b}"
+
+
+def test_plain_and_speculative_batches_count_the_same_new_tokens():
+    """A row that stops early at its end token: plain generate() fills it with padding, which is no token a user
+    reads; the stats count every method's rows through their end token, so their tok/s compare like with like."""
+    ids, mask = padded_batch()
+    free = expected_output(ids, mask, 14)
+    eos = int(free[1, ids.shape[1] + 3])
+    model = enabled()
+    counts = {}
+    for assistant in (None, "eagle3", "specfit"):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=eos,
+                             pad_token_id=0, assistant=assistant)
+        counts[assistant] = model.specfit.stats.last_generate.new_tokens
+    new = out[:, ids.shape[1]:].tolist()
+    real = sum(next((i + 1 for i, t in enumerate(row) if t == eos), len(row)) for row in new)
+    assert real < 3 * 14 and counts == {None: real, "eagle3": real, "specfit": real}

@@ -12,6 +12,8 @@ bit-identical to before.
 
 from __future__ import annotations
 
+import functools
+
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -21,7 +23,8 @@ from torch import nn
 
 from .seam import experts as hf_experts, kv_cache, layers as hf_layers
 from .decoding.options import DecodingOptions
-from .decoding.strategy import install_generation_strategy, remove_generation_strategy
+from .decoding.strategy import guard_experts_implementation, install_generation_strategy, \
+    remove_generation_strategy, unguard_experts_implementation
 from .drafting.capture import AuxCapture
 from .drafting.formats import load_drafter
 from .offload import checkpoint, moves, policies, standin
@@ -129,8 +132,12 @@ def enable(model: nn.Module, cache_slots: int | None = None, *, cache_mode: str 
     hooks = checkpoint.install(model, runtime)  # state_dict / save_pretrained / load_state_dict see the experts
     moves.install(model, runtime, _cast)  # .half() / .to(dtype): cast (_cast); .cuda(), a layer's cast: refused
     # a model that cannot generate (sequence or token classification, question answering, the bare decoder) keeps
-    # its class: only the offload applies to it
-    original_class = install_generation_strategy(model) if type(model).can_generate() else type(model)
+    # its class: only the offload applies to it, and its experts implementation is guarded as a generating model's
+    if type(model).can_generate():
+        original_class = install_generation_strategy(model)
+    else:
+        original_class = type(model)
+        guard_experts_implementation(model)
     runtime._restore = dict(previous_impl=previous_impl, hooks=hooks, original_class=original_class,
                             param_device=param_device, param_dtype=param_dtype, requires_grad=requires_grad,
                             config=saved_config, plans=plans)
@@ -165,6 +172,7 @@ def _disable(model: nn.Module, runtime) -> nn.Module:
     moves.remove(model)
     vars(hf_layers.base_model(model)).pop("forward", None)  # the serialized forward: the class's own is back
     remove_generation_strategy(model, r["original_class"])
+    unguard_experts_implementation(model)
     hf_experts.set_experts_implementation(model, r["previous_impl"])
     hf_experts.restore_config(model, r["config"])
     hf_layers.restore_expert_plans(r["plans"])
@@ -244,6 +252,7 @@ def _serialize_forward(base: nn.Module, runtime, check) -> None:
         finally:
             scope.__exit__(None, None, None)
 
+    @functools.wraps(forward)  # the forward's own signature, for anything that inspects it (transformers' tests, Trainer)
     def serialized(*args, **kwargs):
         scope = begin()
         try:

@@ -168,3 +168,17 @@ def padded_sequences(runs, config, input_ids: torch.Tensor) -> torch.Tensor:
     fill = pad_token(config)
     rows = [run.tokens + [fill] * (longest - run.length) for run in runs]
     return torch.tensor(rows, dtype=input_ids.dtype, device=input_ids.device)
+
+
+def new_tokens(sequences: torch.Tensor, prompt: int, config) -> int:
+    """The new tokens of plain ``generate()``'s output ``sequences`` [B, prompt + N]: each row's through its first
+    end-of-sequence token (transformers fills a row that stopped early with padding, which counts as no token), all
+    N for a row that ran to the end. One transfer, after the call."""
+    if sequences.shape[0] == 1:
+        return sequences.shape[1] - prompt
+    eos = config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else () if eos is None else (eos,))
+    total = 0
+    for row in sequences[:, prompt:].tolist():
+        total += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+    return total

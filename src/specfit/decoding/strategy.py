@@ -20,6 +20,7 @@ from . import oracle  # noqa: F401  registers "acceptance-oracle": every enabled
 from .assistants import resolve_assistant
 from .batch_checks import check_batch_arguments
 from .batch_loop import decode_batch
+from .batch_rows import new_tokens
 from .loop import SAMPLE_MODES, call_config, check_generate_arguments, decode, generate_arguments
 
 _UNSET = object()  # assistant= not passed: the generation config decides (an explicit None means no assistant)
@@ -113,19 +114,14 @@ class SpecFitGenerationMixin:
                               synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
         if scope is not None:
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
-            scope.end(new_tokens=(sequences.shape[1] - input_ids.shape[1]) * sequences.shape[0], autoregressive=True)
+            scope.end(new_tokens=new_tokens(sequences, input_ids.shape[1], generation_config), autoregressive=True)
             runtime.stats.last_method = "ar"
         return out
 
     def set_experts_implementation(self, experts_implementation):
         """While SpecFit is enabled the experts live in its host store and only its experts implementation can run
         them: refuse any other, before anything changes."""
-        runtime = getattr(self, "specfit", None)
-        if runtime is not None and experts_implementation != hf_experts.EXPERTS_IMPL:
-            raise ValueError(f"set_experts_implementation({experts_implementation!r}): SpecFit is enabled on this "
-                             f"model, its experts live in host memory and run only through the "
-                             f"{hf_experts.EXPERTS_IMPL!r} experts implementation. Call specfit.disable(model) first "
-                             f"(it restores the experts as parameters), then set the implementation")
+        check_experts_implementation(self, experts_implementation)
         return super().set_experts_implementation(experts_implementation)
 
 
@@ -164,6 +160,30 @@ def transformers_method(model, named: dict) -> str:
     if mode.value == "assisted_generation":
         return "prompt_lookup" if config.prompt_lookup_num_tokens is not None else "assisted"
     return str(mode.value)
+
+
+def check_experts_implementation(model, experts_implementation) -> None:
+    """Refuse another experts implementation than SpecFit's on an enabled model (``set_experts_implementation``)."""
+    if getattr(model, "specfit", None) is not None and experts_implementation != hf_experts.EXPERTS_IMPL:
+        raise ValueError(f"set_experts_implementation({experts_implementation!r}): SpecFit is enabled on this "
+                         f"model, its experts live in host memory and run only through the "
+                         f"{hf_experts.EXPERTS_IMPL!r} experts implementation. Call specfit.disable(model) first "
+                         f"(it restores the experts as parameters), then set the implementation")
+
+
+def guard_experts_implementation(model) -> None:
+    """A model that cannot generate keeps its class: its ``set_experts_implementation`` refuses as an enabled
+    generating model's does, through an instance attribute that ``unguard_experts_implementation`` removes."""
+    method = model.set_experts_implementation
+
+    def set_experts_implementation(experts_implementation):
+        check_experts_implementation(model, experts_implementation)
+        return method(experts_implementation)
+    model.__dict__["set_experts_implementation"] = set_experts_implementation
+
+
+def unguard_experts_implementation(model) -> None:
+    model.__dict__.pop("set_experts_implementation", None)
 
 
 def install_generation_strategy(model) -> type:
