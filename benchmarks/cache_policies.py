@@ -177,7 +177,7 @@ def clock(slots: int, link, methods, policies, workloads, tokens: int) -> list[d
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     from specfit.offload.policies import POLICIES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--link-ratio", type=float, default=1.0, help="x the structural default link; 0: no link")
     ap.add_argument("--smoke", action="store_true", help="1 prompt per workload, 12 tokens, 12 slots")
     ap.add_argument("--out", default="benchmarks/results/cache_policies")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         args.gsm8k, args.cnn, args.tokens, args.slots, args.clock_slots = 1, 1, 12, [12], [12]
         args.clock_policies = ["lru", "forecast"]

@@ -183,7 +183,7 @@ def summary(runs: list[dict]) -> dict:
                                        for b in sorted({r[5] for r in results})}}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--slots", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -201,7 +201,7 @@ def main():
     p.add_argument("--requests", type=int, default=3, help="requests per client")
     p.add_argument("--out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.assistant = [None if a == "none" else a for a in args.assistant]
     if args.child:
         return serve_child(args)

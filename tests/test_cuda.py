@@ -1,6 +1,6 @@
 """The CUDA paths: pinned arenas, the device slot cache, the copy stream, tree decoding and the loader on a GPU.
 
-Every test is marked ``cuda`` and skips on a machine without one; ``benchmarks/gpu_check.py`` runs them on the
+Every test is marked ``cuda`` and skips on a machine without one; ``tests/gpu/gpu_check.py`` runs them on the
 device machine (``pytest -m cuda tests/test_cuda.py``) with ``SPECFIT_REQUIRE_CUDA=1``, which turns the skip into an
 error: a GPU check must not pass with every test skipped.
 

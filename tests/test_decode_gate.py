@@ -1,4 +1,4 @@
-"""The decode check's correctness gate (benchmarks/decode_gate.py) on a CPU: under an emulated GPU rounding (the slot
+"""The decode check's correctness gate (tests/gpu/decode_gate.py) on a CPU: under an emulated GPU rounding (the slot
 cache's expert matmuls accumulated differently from the reference's) correct code passes, although the router then
 switches near-tied routes; a wrong expert, a wrong slot, a wrong routing weight and a wrong tree mask each fail."""
 
@@ -14,7 +14,7 @@ from specfit.offload.cache import LayerCache
 from specfit.offload.experts import LayerRuntime
 from specfit.selection.cost_model import CostModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import synthetic_checkpoint as sc  # noqa: E402
 from decode_gate import TOLERANCE, other_rounding, reference_gap, token_check  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The prepared GPU check as a program (``benchmarks/gpu_check.py``, issue 55 item 2): its arguments, the plan
+"""The prepared GPU check as a program (``tests/gpu/gpu_check.py``, issue 55 item 2): its arguments, the plan
 its dry run reads from the stages' table (the call within the 600 s a command may run, with a rerun of part 3 within
 12 device-minutes), the env stage's refusal of a missing package, the summary built from the stages' records (a poor
 fit a figure, a failed stage and why), and the wheels the device's image lacks."""
@@ -14,7 +14,7 @@ import pytest
 
 from specfit.selection.cost_model import CostModel
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parent / "gpu"
 sys.path.insert(0, str(BENCHMARKS))
 import gpu_check  # noqa: E402
 import gpu_stages  # noqa: E402
@@ -51,7 +51,7 @@ def test_gpu_check_dry_run_writes_the_plan_to_one_log(tmp_path):
     log = (out / "gpu_check.log").read_text()
     assert log == dry.stdout and list(out.iterdir()) == [out / "gpu_check.log"]
     for expected in ("pytest -m cuda tests/test_cuda.py", "--preset qwen3-30b-a3b --layers 6",
-                     "--slots 48 --cache-mode cached", "decode_check.py", "benchmarks/host_expert_check.py",
+                     "--slots 48 --cache-mode cached", "decode_check.py", "tests/gpu/host_expert_check.py",
                      "--profile " + str(out / "profile-cached.json"), "--reference --require-pinned --require-grouped",
                      "part 1 (env pytest bandwidth host-experts): 195s; part 2 (env checkpoint calibrate decode): "
                      "215s; part 3 (env users): 115s",
@@ -93,8 +93,8 @@ def test_gpu_check_dry_run_fails_when_the_plan_would_not_fit(tmp_path):
 def fake_python(tmp_path):
     """A PYTHON for gpu_check.py's stages that runs the real interpreter, except ``-m specfit.cli calibrate``, which
     writes a poor fit's profile to --out and exits 0 only with --force (calibrate's exit status for a poor fit is 3),
-    ``benchmarks/decode_check.py``, which fails as its gate does, naming the profile it was handed, and
-    ``benchmarks/synthetic_checkpoint.py``, which writes nothing (nothing reads the checkpoint)."""
+    ``tests/gpu/decode_check.py``, which fails as its gate does, naming the profile it was handed, and
+    ``tests/gpu/synthetic_checkpoint.py``, which writes nothing (nothing reads the checkpoint)."""
     profile = CostModel(intercepts=(0.01,) * 8, beta=1e-4, copy_overhead=2e-4, link_share=1.0,
                         meta=dict(quality=dict(verdict="poor", heldout_r2=0.12, reasons=["held-out R^2 0.120 < 0.5"])))
     profile.save(tmp_path / "poor.json")
@@ -105,10 +105,10 @@ if [ "$1 $2 $3" = "-m specfit.cli calibrate" ]; then
     case " $* " in *" --force "*) cp {tmp_path / "poor.json"} "$out"; exit 0 ;; esac
     exit 3
 fi
-if [ "$1" = benchmarks/synthetic_checkpoint.py ]; then
+if [ "$1" = tests/gpu/synthetic_checkpoint.py ]; then
     mkdir -p "$2" && exit 0  # the calibrate and decode below are fakes too: no checkpoint to write
 fi
-if [ "$1" = benchmarks/decode_check.py ]; then
+if [ "$1" = tests/gpu/decode_check.py ]; then
     echo "handed: $(echo " $* " | sed -E 's/.* --profile ([^ ]+) .*/\\1/')"
     echo "FAIL (--reference): the slot cache's experts outputs are 1.5 standard deviations from the reference's"
     exit 1
@@ -132,7 +132,7 @@ def test_gpu_check_env_fails_on_a_missing_package(tmp_path):
               PYTHONPATH=str(tmp_path / "shadow"), PYTHON=sys.executable, WORK=str(tmp_path / "work"), **CPU_PART2)
     assert res.returncode != 0, res.stdout[-2000:]
     assert "platformdirs     MISSING" in res.stdout and "FAIL: missing on this machine: platformdirs" in res.stdout
-    assert "python benchmarks/gpu_check.py --wheels" in res.stdout and "[env] FAIL" in res.stdout
+    assert "python tests/gpu/gpu_check.py --wheels" in res.stdout and "[env] FAIL" in res.stdout
     assert re.search(r"RESULT stage env: FAIL \(exit 1\) \(\d+s\): FAIL: missing on this machine: platformdirs",
                      res.stdout)
 

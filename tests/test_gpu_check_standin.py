@@ -1,7 +1,7 @@
 """The GPU check's parts and their commands on the CUDA stand-in (issues 43, 52 and 55): ``specfit calibrate``,
 ``decode_check.py --reference``, ``gpu_stages.py`` (bandwidth, the speed factor) and ``gpu_users.py`` take the GPU's
 flow on the CPU (``SPECFIT_CUDA_STANDIN=1``: its doubles, its second device); the whole part 2 of
-``benchmarks/gpu_check.py`` (``STANDIN=1``) passes under the device's own stage limits scaled by the measured speed
+``tests/gpu/gpu_check.py`` (``STANDIN=1``) passes under the device's own stage limits scaled by the measured speed
 factor it prints, and fails on a planted wrong expert, and part 3 passes (slow: ~2 minutes each; the fast tests run
 the stages' code)."""
 
@@ -20,7 +20,7 @@ from specfit import cli
 from specfit.offload import standin
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import decode_check  # noqa: E402
 import gpu_stages  # noqa: E402
 import gpu_users  # noqa: E402
@@ -117,7 +117,7 @@ def part(out, which="2", plant=None, timeout=400, **extra):
         site.mkdir()
         (site / "sitecustomize.py").write_text(plant)
         env["PYTHONPATH"] = f"{site}:{env.get('PYTHONPATH', '')}"
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--part", which, str(out)],
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gpu_check.py"), "--part", which, str(out)],
                          env=env, capture_output=True, text=True, timeout=timeout)
     return res.returncode, (out / f"gpu_check-part{which}.log").read_text()
 

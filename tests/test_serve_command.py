@@ -112,15 +112,15 @@ def test_the_command_serves_with_its_link_and_stops_on_ctrl_c(tmp_path):
 
 
 def test_the_load_benchmark_runs_and_checks_its_answers(tmp_path):
-    """benchmarks/serve_load.py at the smallest settings (the server in a child interpreter, as it runs one per
+    """``python benchmarks/run.py serve`` at the smallest settings (the server in a child interpreter, as it runs one per
     transformers release): every answer checked against plain generate(), the figures labelled as an emulated
     link on the CPU."""
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
     out = tmp_path / "load.json"
     env = dict(os.environ, SPECFIT_CACHE=str(tmp_path / "cache"))
-    done = subprocess.run([sys.executable, str(script), "--rounds", "0", "--clients", "2", "--requests", "1",
+    done = subprocess.run([sys.executable, str(script), "serve", "--rounds", "0", "--clients", "2", "--requests", "1",
                            "--max-tokens", "2", "--max-batch", "2", "--assistant", "none", "--link-ms", "0.05",
                            "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

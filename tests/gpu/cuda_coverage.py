@@ -12,13 +12,13 @@ A line is *CUDA-guarded* when it is
 
 It runs the given tests (default ``TESTS``) under coverage.py (``pip install -e ".[dev]"`` has it), then prints the
 share of guarded lines executed and every guarded line not executed, by file, function and line; a line not
-executed must be listed, by its function's name, in ``benchmarks/cuda_only_lines.txt`` with the reason only a real
-kernel can run it (a script's as ``benchmarks/NAME.py::function``). Exit 1 when an unexecuted line is not listed or
+executed must be listed, by its function's name, in ``tests/gpu/cuda_only_lines.txt`` with the reason only a real
+kernel can run it (a script's as ``tests/gpu/NAME.py::function``). Exit 1 when an unexecuted line is not listed or
 the share is below ``--goal``.
 
-    python benchmarks/cuda_coverage.py                    # the default tests, about 2-3 minutes here
-    python benchmarks/cuda_coverage.py --data .coverage   # an existing coverage data file (e.g. the full suite's)
-    python benchmarks/cuda_coverage.py -- tests/test_cuda_standin.py   # other tests
+    python tests/gpu/cuda_coverage.py                    # the default tests, about 2-3 minutes here
+    python tests/gpu/cuda_coverage.py --data .coverage   # an existing coverage data file (e.g. the full suite's)
+    python tests/gpu/cuda_coverage.py -- tests/test_cuda_standin.py   # other tests
 """
 
 from __future__ import annotations
@@ -31,28 +31,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "specfit"
-LISTED = ROOT / "benchmarks" / "cuda_only_lines.txt"
-BENCHMARKS = ROOT / "benchmarks"
-# the GPU check's own Python: the program and what its stages run (benchmarks/gpu_check.py)
+LISTED = ROOT / "tests" / "gpu" / "cuda_only_lines.txt"
+CHECK_DIR = ROOT / "tests" / "gpu"
+# the GPU check's own Python: the program and what its stages run (tests/gpu/gpu_check.py)
 CHECK = ["gpu_check.py", "gpu_stages.py", "gpu_users.py", "decode_check.py", "decode_gate.py", "host_expert_check.py",
          "synthetic_checkpoint.py"]
 TESTS = ["tests/test_cuda_standin.py", "tests/test_cuda_standin_devices.py", "tests/test_cuda_standin_lane.py",
          "tests/test_cuda_seams.py", "tests/test_decode_gate_standin.py", "tests/test_gpu_check_standin.py",
          "tests/test_host_lane.py", "tests/test_copy_engine.py", "tests/test_transfer.py", "tests/test_fp8.py",
          "tests/test_syncs.py",
-         "tests/test_benchmark_scripts.py::test_decode_check_reference_passes_through_the_grouped_path",
-         "tests/test_benchmark_scripts.py::test_host_expert_check_runs_on_a_cpu", "tests/test_gpu_check.py"]
+         "tests/test_gpu_scripts.py::test_decode_check_reference_passes_through_the_grouped_path",
+         "tests/test_gpu_scripts.py::test_host_expert_check_runs_on_a_cpu", "tests/test_gpu_check.py"]
 SKIP = {"offload/standin.py", "offload/standin_device.py"}  # the stand-in itself is CPU code
 # functions and classes only CUDA runs: "file::qualname"
 CUDA_ONLY = {"offload/host_compute.py::ThreadedLane", "offload/host_compute.py::HostCopies",
              "offload/cache.py::CudaStreams", "transfer.py::CudaCopies", "offload/store.py::CudaHostPinning",
              "offload/store.py::_clear_cuda_error", "offload/bandwidth.py::copy_seconds",
              "offload/runtime.py::SpecFitRuntime._measure_lane", "offload/runtime.py::SpecFitRuntime.measure_once",
-             "benchmarks/gpu_stages.py::bandwidth", "benchmarks/gpu_stages.py::Link",
-             "benchmarks/gpu_stages.py::sources", "benchmarks/gpu_stages.py::head_of_line",
-             "benchmarks/host_expert_check.py::copy_ms"}
+             "tests/gpu/gpu_stages.py::bandwidth", "tests/gpu/gpu_stages.py::Link",
+             "tests/gpu/gpu_stages.py::sources", "tests/gpu/gpu_stages.py::head_of_line",
+             "tests/gpu/host_expert_check.py::copy_ms"}
 # the grouped matmul over the slots (``SLOTS``) runs on CUDA in bf16 only (``choose_experts_path``)
 POSITIVE = re.compile(r"(\bcuda\b|is_cuda|on_device|\.real\b|\bself\.pinned\b|torch\.cuda|== SLOTS\b)")
 
@@ -174,18 +174,18 @@ def read_listed() -> dict[str, str]:
 
 def files():
     """(path, name) of every file counted: ``src/specfit``'s (named from there) and the check's scripts (named
-    ``benchmarks/NAME.py``)."""
+    ``tests/gpu/NAME.py``)."""
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
         if rel not in SKIP:
             yield path, rel
     for name in CHECK:
-        yield BENCHMARKS / name, f"benchmarks/{name}"
+        yield CHECK_DIR / name, f"tests/gpu/{name}"
 
 
 def measure(tests: list[str], data: Path) -> None:
     env = dict(os.environ, COVERAGE_FILE=str(data))
-    cmd = [sys.executable, "-m", "coverage", "run", "--concurrency=thread", f"--source={SRC},{BENCHMARKS}", "-m",
+    cmd = [sys.executable, "-m", "coverage", "run", "--concurrency=thread", f"--source={SRC},{CHECK_DIR}", "-m",
            "pytest", "-q",
            "-p", "no:cacheprovider", "-m", "not slow and not cuda", *tests]
     print("running:", " ".join(cmd[1:]), flush=True)

@@ -6,7 +6,7 @@ one row each:
 - decode: one MoE layer's experts forward at decode (1 token, top-8) from resident slots, bf16 against FP8 (the FP8
   rows dequantized on the device as SpecFit computes them, then the same batched math), ms per layer.
 
-    python benchmarks/fp8_check.py            # CUDA when available; --device cpu for a smoke run
+    python tests/gpu/fp8_check.py            # CUDA when available; --device cpu for a smoke run
 One JSON object per row on stdout. A standalone study: ``gpu_check.py`` does not run it (its optional ``fp8`` stage
 decodes an FP8 checkpoint at the real shapes instead).
 """

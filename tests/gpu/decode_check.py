@@ -1,7 +1,7 @@
 """Decode check: load a checkpoint with its experts offloaded and decode a few prompts of random token ids with plain
 autoregressive ``generate`` (AR), ``assistant="eagle3"`` and ``assistant="specfit"``; print one table.
 
-    python benchmarks/decode_check.py --model CKPT --drafter DRAFTER --slots 48 --profile PROFILE.json --json out.json
+    python tests/gpu/decode_check.py --model CKPT --drafter DRAFTER --slots 48 --profile PROFILE.json --json out.json
 
 Synthetic checkpoints have no tokenizer, hence random token ids; the model's eos is switched off (no logits
 processor, unlike ``min_new_tokens``) so every run decodes the same number of tokens and greedy acceptance takes its

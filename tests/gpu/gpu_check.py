@@ -2,8 +2,8 @@
 whose RESULT lines say in one place what passed, what failed and why. The plan (``--dry-run``), the run and the
 summary read one table, ``STAGES``: a stage is a name, a part, a time limit on the device, and a function.
 
-    python benchmarks/gpu_check.py [--dry-run] [--part 1|2|3] [--stages LIST] [OUT_DIR]   # OUT_DIR default: $OUT
-    python benchmarks/gpu_check.py --wheels     # where PyPI is reachable: the wheels the device's image lacks
+    python tests/gpu/gpu_check.py [--dry-run] [--part 1|2|3] [--stages LIST] [OUT_DIR]   # OUT_DIR default: $OUT
+    python tests/gpu/gpu_check.py --wheels     # where PyPI is reachable: the wheels the device's image lacks
 
 Parts: 1 (env, pytest, bandwidth, host-experts), 2 (env, checkpoint, calibrate, decode; fp8 with FP8=1), 3 (env,
 users); by default all three in one call (env once). The plan prices each part at its stage limits plus a reserve,
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESERVE = 10  # seconds kept for cleanup and the summary
 RERUN = 3  # the part the plan reruns: what users run (batches, the server, the client) has never run on a GPU
 
@@ -176,7 +176,7 @@ def env_stage(c: Check) -> int:
             return rc
         c.say(f"carried wheels installed into {c.site / 'deps'}: {' '.join(Path(w).name for w in wheels)}")
     else:
-        c.say("no .whl/ folder: using the image's packages (python benchmarks/gpu_check.py --wheels beforehand, "
+        c.say("no .whl/ folder: using the image's packages (python tests/gpu/gpu_check.py --wheels beforehand, "
               "carry .whl)")
     built = c.command(pip + ["--no-build-isolation", "--target", str(c.site / "pkg"), "."], stop - time.monotonic())
     if built[0]:
@@ -187,7 +187,7 @@ def env_stage(c: Check) -> int:
             shutil.copytree(ROOT / "calibration", c.site / "pkg" / "specfit" / "calibration")
     path = f"{c.site / 'pkg'}:{c.site / 'deps'}"
     c.child_env["PYTHONPATH"] = path + (f":{c.child_env['PYTHONPATH']}" if c.child_env.get("PYTHONPATH") else "")
-    rc = c.command([c.py, "benchmarks/gpu_stages.py", "env"], stop - time.monotonic())[0]
+    rc = c.command([c.py, "tests/gpu/gpu_stages.py", "env"], stop - time.monotonic())[0]
     if rc:
         return rc  # 124: the stage's time ran out
     smi = shutil.which("nvidia-smi")
@@ -240,7 +240,7 @@ def checkpoint_cmd(c: Check, fp8: bool = False) -> list[str]:
     # one OpenMP thread per generator thread: nproc generators x nproc OpenMP threads would oversubscribe the cores
     out = ["ckpt-fp8", "--fp8-block", c.s.get("FP8_BLOCK", "128")] if fp8 else ["ckpt", "--drafter-out",
                                                                                str(c.work / "drafter")]
-    return [c.py, "benchmarks/synthetic_checkpoint.py", str(c.work / out[0]), "--preset", c.preset, "--layers",
+    return [c.py, "tests/gpu/synthetic_checkpoint.py", str(c.work / out[0]), "--preset", c.preset, "--layers",
             str(c.layers), *out[1:], "--workers", str(os.cpu_count() or 1)]
 
 
@@ -260,12 +260,12 @@ def calibrate_stage(c: Check) -> int:
     env.pop("TQDM_DISABLE")
     rc = c.stage_command(calibrate_cmd(c), env)
     if rc == 0:  # the fit's figures and verdict, for the summary
-        c.command([c.py, "benchmarks/gpu_stages.py", "fit", str(c.out / "profile-cached.json")], 30)
+        c.command([c.py, "tests/gpu/gpu_stages.py", "fit", str(c.out / "profile-cached.json")], 30)
     return rc
 
 
 def decode_cmd(c: Check, fp8: bool = False) -> list[str]:
-    cmd = [c.py, "benchmarks/decode_check.py", "--model", str(c.work / ("ckpt-fp8" if fp8 else "ckpt")), "--drafter",
+    cmd = [c.py, "tests/gpu/decode_check.py", "--model", str(c.work / ("ckpt-fp8" if fp8 else "ckpt")), "--drafter",
            str(c.work / "drafter"), "--slots", str(c.slots)]
     if (c.out / "profile-cached.json").is_file() or c.dry:
         cmd += ["--profile", str(c.out / "profile-cached.json")]
@@ -282,7 +282,7 @@ def decode_stage(c: Check) -> int:
         c.say("note: no calibrated profile: SpecFit uses its default cost model")
     rc = c.stage_command(decode_cmd(c))
     if (c.out / "decode.json").is_file():  # rewritten after each mode: the modes done so far, even after a timeout
-        c.command([c.py, "benchmarks/gpu_stages.py", "decoded", str(c.out / "decode.json")], 30)
+        c.command([c.py, "tests/gpu/gpu_stages.py", "decoded", str(c.out / "decode.json")], 30)
     return rc
 
 
@@ -295,7 +295,7 @@ def fp8_stage(c: Check) -> int:
 
 
 def users_cmd(c: Check) -> list[str]:
-    return [c.py, "benchmarks/gpu_users.py", "--tokens", c.s.get("USERS_TOKENS", "16"), "--log",
+    return [c.py, "tests/gpu/gpu_users.py", "--tokens", c.s.get("USERS_TOKENS", "16"), "--log",
             str(c.out / "serve.log")]
 
 
@@ -304,8 +304,8 @@ STAGES = (
                                              f"{c.site / 'pkg'}, versions, nvidia-smi"),
     Stage("pytest", 1, 100, pytest_stage,
           lambda c: "SPECFIT_REQUIRE_CUDA=1 pytest -m cuda tests/test_cuda.py tests/test_cuda_lane.py, no skips"),
-    Stage("bandwidth", 1, 25, lambda c: c.stage_command([c.py, "benchmarks/gpu_stages.py", "bandwidth"]),
-          lambda c: f"{c.py} benchmarks/gpu_stages.py bandwidth: H2D of one 9,437,184-byte expert, registered / "
+    Stage("bandwidth", 1, 25, lambda c: c.stage_command([c.py, "tests/gpu/gpu_stages.py", "bandwidth"]),
+          lambda c: f"{c.py} tests/gpu/gpu_stages.py bandwidth: H2D of one 9,437,184-byte expert, registered / "
                     f"pinned / pageable; floor {c.s.get('MIN_H2D_GBPS', 'by the GPU (35 GB/s at sm_90+)')}"),
     Stage("host-experts", 1, 30, lambda c: c.stage_command(host_cmd(c)), lambda c: " ".join(host_cmd(c))),
     Stage("checkpoint", 2, 45, checkpoint_stage, lambda c: " ".join(checkpoint_cmd(c)[1:])),
@@ -319,7 +319,7 @@ NAMES = [s.name for s in STAGES]
 
 
 def host_cmd(c: Check) -> list[str]:
-    return [c.py, "benchmarks/host_expert_check.py", "--json", str(c.out / "host_experts.json")]
+    return [c.py, "tests/gpu/host_expert_check.py", "--json", str(c.out / "host_experts.json")]
 
 
 def minutes(seconds: float) -> str:
@@ -360,7 +360,7 @@ def plan(c: Check) -> int:
 def run(c: Check) -> int:
     """Every stage this run takes, in order; 1 unless all passed."""
     if c.standin and not c.scale_given:
-        rc, out = c.command([c.py, "benchmarks/gpu_stages.py", "speed"], 300,
+        rc, out = c.command([c.py, "tests/gpu/gpu_stages.py", "speed"], 300,
                             dict(c.child_env, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src")))
         if rc:
             c.say("FAIL: the speed factor could not be measured")
@@ -416,7 +416,7 @@ def main(argv=None) -> int:
                                                           "(gpu_stages.py wheels: where PyPI is reachable)")
     args = p.parse_args(argv)
     if args.wheels:
-        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_stages.py"), "wheels"]).returncode
+        return subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gpu_stages.py"), "wheels"]).returncode
     settings = Settings(os.environ)
     chosen = args.stages.split(",") if args.stages else [n for n in NAMES if n != "fp8" or settings.get("FP8") == "1"]
     unknown = [n for n in chosen if n not in NAMES]

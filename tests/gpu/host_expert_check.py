@@ -10,8 +10,8 @@ from its pinned arena row, at 1, 8 and 32 tokens, beside the copy of the same ex
 - *copy*: one expert's stored bytes from the pinned arena to the device on a copy stream, timed with CUDA events
   (``specfit.offload.bandwidth.copy_seconds``, the measurement that prices copies): CUDA only.
 
-    python benchmarks/host_expert_check.py [--threads 16] [--experts 64] [--repeats 3] [--json out.json]
-    python benchmarks/host_expert_check.py --hidden 256 --intermediate 128 --block 32 --experts 4   # a CPU smoke run
+    python tests/gpu/host_expert_check.py [--threads 16] [--experts 64] [--repeats 3] [--json out.json]
+    python tests/gpu/host_expert_check.py --hidden 256 --intermediate 128 --block 32 --experts 4   # a CPU smoke run
 
 Prints a table and one ``RESULT host experts`` line per stored format and thread count: ms per expert at each token
 count, the bytes' rate at one token, and each over the copy's time where there is one (below 1: the host computes

@@ -1,6 +1,6 @@
-"""What users run, on the device: the GPU check's part 3 (``benchmarks/gpu_check.py`` runs it as the ``users`` stage).
+"""What users run, on the device: the GPU check's part 3 (``tests/gpu/gpu_check.py`` runs it as the ``users`` stage).
 
-    python benchmarks/gpu_users.py [--tokens 16] [--slots 24] [--max-batch 4] [--log serve.log]
+    python tests/gpu/gpu_users.py [--tokens 16] [--slots 24] [--max-batch 4] [--log serve.log]
 
 The embedded model and drafter (they ship a tokenizer) loaded by ``specfit.from_pretrained`` on the device, in fp32:
 for each assistant, ``generate()`` on 2 left-padded rows and on one row, the ids on the host as a tokenizer gives

@@ -1,5 +1,5 @@
-"""The benchmark scripts' CPU-runnable parts: the synthetic hub-layout checkpoint writer, the decode check, the
-host-expert check (the prepared GPU check itself: tests/test_gpu_check.py)."""
+"""The GPU check's scripts' CPU-runnable parts (tests/gpu/): the synthetic hub-layout checkpoint writer, the decode
+check, the host-expert check (the prepared GPU check itself: tests/test_gpu_check.py)."""
 
 import json
 import os
@@ -18,8 +18,8 @@ from specfit.selection.cost_model import CostModel
 from specfit.drafting.drafter import Eagle3Config
 from specfit.drafting.formats import load_drafter
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+GPU_CHECK = Path(__file__).resolve().parent / "gpu"
+sys.path.insert(0, str(GPU_CHECK))
 import decode_check  # noqa: E402
 import synthetic_checkpoint as sc  # noqa: E402
 
@@ -185,39 +185,6 @@ def test_decode_check_fails_on_a_wrong_expert_output(tiny_ckpt, capsys, monkeypa
 def test_decode_check_require_grouped_fails_on_the_gathered_path(tiny_ckpt, capsys):
     assert reference_check(tiny_ckpt[0], "--require-grouped") == 1  # the CPU chooses the gathered path
     assert "FAIL (--require-grouped)" in capsys.readouterr().out
-
-
-def test_cycle_profile_parts_add_up(tmp_path):
-    """The cycle profile on the embedded model: every part is non-negative and the parts (with 'other') are the
-    cycle; it refuses nothing lossy (the script checks every method's tokens against AR's)."""
-    import cycle_profile
-
-    from specfit import embedded
-    from specfit.evaluation import datasets
-
-    if not embedded.available():
-        pytest.fail("the embedded model and drafter must ship with the package")
-    try:
-        datasets.prompts("gsm8k", 2)
-    except datasets.DataUnavailable as err:
-        pytest.skip(f"GSM8K is not reachable (no local data folder and no hub): {err}")
-    assert cycle_profile.main(["--prompts", "2", "--max-new-tokens", "8", "--methods", "ar", "specfit",
-                               "--eagle3-depth", "2", "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "profile.json").read_text())["result"]
-    for method, r in result.items():
-        parts = r["parts_ms"]
-        assert sum(parts.values()) == pytest.approx(r["cycle_ms"], rel=1e-9)
-        assert all(v >= 0 for k, v in parts.items() if not k.startswith("other")), (method, parts)
-        per_level = sum(r["parts_per_level_ms"].values())
-        assert r["drafting_per_level_ms"] == pytest.approx(per_level, rel=1e-9)
-    ar = result["ar"]
-    assert ar["parts_ms"]["drafter forwards, drafted levels"] == 0 and ar["tokens_per_cycle"] == 1
-    assert ar["levels_per_cycle"] == 0 and ar["parts_ms"]["drafter forward, committed tokens (extend)"] == 0
-    # EAGLE-3 drafts every level it is given: the levels counted are exactly its depth
-    eagle = result["eagle3-depth2"]
-    assert eagle["levels_per_cycle"] == 2 and eagle["drafting_per_level_ms"] > 0
-    assert eagle["parts_ms"]["drafter forward, committed tokens (extend)"] > 0
-    assert (tmp_path / "profile.md").read_text().startswith("Cycle profile")
 
 
 def test_host_expert_check_runs_on_a_cpu(tmp_path, capsys):

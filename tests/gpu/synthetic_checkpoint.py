@@ -17,7 +17,7 @@ N = 128): every 2-D projection (attention q/k/v/o, each expert's gate/up/down) a
 ``weight_scale_inv`` per N x N block beside it, the router, norms, embedding and head in the checkpoint dtype, and
 ``quantization_config`` in ``config.json``; the same random weights, quantized.
 
-    python benchmarks/synthetic_checkpoint.py OUT --preset qwen3-30b-a3b --layers 12 --drafter-out OUT-drafter
+    python tests/gpu/synthetic_checkpoint.py OUT --preset qwen3-30b-a3b --layers 12 --drafter-out OUT-drafter
 """
 
 from __future__ import annotations

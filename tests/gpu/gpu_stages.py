@@ -1,14 +1,14 @@
-"""The GPU check's own code that runs on the device, with torch (``benchmarks/gpu_check.py`` runs each as a stage's
+"""The GPU check's own code that runs on the device, with torch (``tests/gpu/gpu_check.py`` runs each as a stage's
 command): the environment's checks, the host link's bandwidth, the CPU/GPU speed factor of a stand-in run, and the
 RESULT lines of a profile and of a decode. The device's CUDA calls go through the runtime's seams (``CudaStreams``,
 ``HostCopies``, the store's pinning), so on a CPU the CUDA stand-in (``SPECFIT_CUDA_STANDIN=1``: its doubles, its
 second device) runs every line of them (tests/test_gpu_check_standin.py).
 
-    python benchmarks/gpu_stages.py env                          # imports, versions, CUDA; the RESULT env line
-    python benchmarks/gpu_stages.py bandwidth [--min-gbps G]    # H2D of one real-size expert, three ways; the gate
-    SPECFIT_CUDA_STANDIN=1 python benchmarks/gpu_stages.py speed  # this CPU's decode cycle over the device's
-    python benchmarks/gpu_stages.py fit PROFILE.json | decoded DECODE.json   # RESULT lines for the summary
-    python benchmarks/gpu_stages.py wheels      # where PyPI is reachable: the wheels the image lacks, into .whl/
+    python tests/gpu/gpu_stages.py env                          # imports, versions, CUDA; the RESULT env line
+    python tests/gpu/gpu_stages.py bandwidth [--min-gbps G]    # H2D of one real-size expert, three ways; the gate
+    SPECFIT_CUDA_STANDIN=1 python tests/gpu/gpu_stages.py speed  # this CPU's decode cycle over the device's
+    python tests/gpu/gpu_stages.py fit PROFILE.json | decoded DECODE.json   # RESULT lines for the summary
+    python tests/gpu/gpu_stages.py wheels      # where PyPI is reachable: the wheels the image lacks, into .whl/
 
 ``bandwidth``: H2D time of one Qwen3-30B-A3B expert (9,437,184 bytes, bf16) from an arena pinned by ExpertStore
 (``cudaHostRegister``), from a pinned buffer (torch's allocator) and from pageable memory, each on a copy stream
@@ -41,7 +41,7 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 E_BYTES = 3 * 768 * 2048 * 2  # one Qwen3-30B-A3B expert in bf16
 NVIDIA_SMI = ("nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,"
@@ -293,7 +293,7 @@ def env(required: str = REQUIRED) -> int:
         except Exception as e:
             print(f"  {name:16s} MISSING ({type(e).__name__}: {e})")
             missing.append(name)
-    wheels = "Run `python benchmarks/gpu_check.py --wheels` where PyPI is reachable and carry .whl to this machine."
+    wheels = "Run `python tests/gpu/gpu_check.py --wheels` where PyPI is reachable and carry .whl to this machine."
     if missing:
         return _fail(f"missing on this machine: {', '.join(missing)}. {wheels}")
     from packaging.version import Version
