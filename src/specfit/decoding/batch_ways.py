@@ -32,7 +32,7 @@ from .guard import Guard
 __all__ = ["BatchWays", "batch_guard", "batch_refresh", "WARMUP", "TRIALS"]
 
 WARMUP = 2  # cycles of SpecFit's way before a batch guard tries another
-TRIALS = 1  # cycles each other way runs before its rate is compared
+TRIALS = 3  # cycles each other way runs before its rate is compared
 
 
 def batch_guard(runtime, options, rows: int) -> Guard | None:

@@ -12,7 +12,7 @@ from .paths import DRAFTER_DIR, HERE, TARGET_DIR
 MODEL_ID = "specfit/embedded-qwen3-moe"  # the model id cost profiles are filed under
 
 # CPU threads that decode this model fastest: its matrices are so small that more threads only add synchronisation
-# (benchmarks/threads.py measures 1, 2 and the default; a notebook on a many-core machine ran up to 7x slower with
+# (`python benchmarks/run.py speed --threads 1 2` measures it; a notebook on a many-core machine ran up to 7x slower with
 # torch's default). `load` advises it once; the CLI commands set it themselves. A library call never changes it.
 FASTEST_THREADS = 1
 

@@ -12,7 +12,7 @@ outscore the weakest resident: whether a slot pays for it (a host lane may compu
 frequency policies can also *bypass* (``bypass=True``): stream such a miss through scratch instead of evicting the
 weakest resident. Off by default: on the embedded model it saves 1-12% of the misses, but streams 14-60 experts per
 token for it, and a streamed expert computes alone, after the scratch ring's copies, so plain decoding and EAGLE-3
-ran slower with it at 12 slots (``benchmarks/cache_policies.py``, BENCHMARKS.md).
+ran slower with it at 12 slots (``python benchmarks/run.py cache``, BENCHMARKS.md).
 
 - ``"lru"``: evict the least recently used expert; every miss that finds an evictable slot takes it.
 - ``"frequency"``: decayed frequency, ``score = sum of the weights of past uses x 0.9 ** (the layer's plans since
