@@ -19,6 +19,8 @@ import importlib
 import sys
 from pathlib import Path
 
+from specfit.evaluation.results_file import write_results
+
 ALL_WORKLOADS = ["gsm8k", "cnn", "mtbench", "humaneval"]
 THREE = ["ar", "eagle3", "specfit"]
 # suite -> (what it answers, its grid); every key is an option of the timed suites (--batches, --methods, ...)
@@ -121,7 +123,6 @@ def check(p: argparse.ArgumentParser, args) -> None:
 
 def run_grid_suite(suite: str, argv: list[str]) -> int:
     import harness
-    from specfit.evaluation.results_file import write_results
 
     p = grid_parser(suite)
     args = p.parse_args(argv)

@@ -237,9 +237,10 @@ def main(argv=None):
     report["load"] = {release: {name: summary(runs) for name, runs in by_run.items()}
                       for release, by_run in turns.items()}
     print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    if args.out:  # a file's path: the one results helper writes it
+        from specfit.evaluation.results_file import write_results
+
+        write_results(Path(args.out).parent, report, Path(args.out).name)
 
 
 if __name__ == "__main__":
