@@ -1,0 +1,180 @@
+"""The rules and loading suites (``benchmarks/rules.py``, ``benchmarks/loading.py``) through their ``main``, as
+``python benchmarks/run.py rules PART ...`` and ``... load PART ...`` call it, at tiny settings: what each part prints
+and writes, checked against the same figures computed here, and a clear refusal of a bad option before anything runs.
+"""
+
+import itertools
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specfit.offload.policies import POLICIES, make_policy
+from specfit.offload.slots import SlotBook
+from specfit.selection.cost_model import CostModel
+from specfit.selection.selector import select_subtree
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import rules  # noqa: E402
+
+NUMBER = r"([\d.]+)"
+
+
+def figures(pattern: str, text: str) -> list[float]:
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not in:\n{text}"
+    return [float(g) for g in match.groups()]
+
+
+def test_selector_times_the_paper_shaped_pools(capsys):
+    assert rules.main(["selector", "--calls", "25", "--seed", "1", "--max-nodes", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "pools: 25 x 18 nodes, routes 48x128 top-8, max_nodes=5, calls=25, seed=1, load average" in out
+    for name in ("wall time", "thread CPU time"):
+        median, p90, low = figures(rf"{name} per call: median {NUMBER} ms, p90 {NUMBER} ms, min {NUMBER} ms", out)
+        assert 0 < low <= median <= p90
+    # the same pools and calls here: the counts printed are theirs, at the --max-nodes given
+    rng = np.random.default_rng(1)
+    picks = [select_subtree(*rules.eagle_pool(rng), CostModel.default(5), max_nodes=5) for _ in range(25)]
+    scored = [p.subtrees for p in picks]
+    assert (f"subtrees scored per call: mean {np.mean(scored):.1f} (min {min(scored)}, max {max(scored)})\n"
+            f"selected draft nodes (default cost model): mean {np.mean([len(p.nodes) for p in picks]):.2f}") in out
+
+
+def test_selector_pools_have_the_paper_shape():
+    parents, probs, routes, root = rules.eagle_pool(np.random.default_rng(0))
+    assert len(parents) == len(probs) == 18 and routes.shape == (18, 48, 128) and root.shape == (48, 128)
+    assert parents[:2] == [-1, -1] and all(-1 <= p < i for i, p in enumerate(parents))
+    assert (routes.sum(axis=2) == 8).all() and (root.sum(axis=1) == 8).all()  # top-8 in every layer
+    assert all(probs[i] < (probs[p] if p >= 0 else 1.0) for i, p in enumerate(parents))  # path probabilities
+    shared = [(routes[i] & (routes[p] if p >= 0 else root)).sum() / (48 * 8) for i, p in enumerate(parents)]
+    assert 0.35 < np.mean(shared) < 0.65  # a child keeps about half of its parent's experts
+
+
+def test_slot_plan_traces_are_shaped_like_the_embedded_models():
+    decode, verify = (rules.trace(np.random.default_rng(0), 130, tokens) for tokens in (1, 8))
+    for forwards, tokens in ((decode, 1), (verify, 8)):
+        assert len(forwards) == 130
+        for i, (needed, uses) in enumerate(forwards):
+            assert needed == sorted(set(needed)) and all(0 <= e < 64 for e in needed)
+            if i % 64 == 0:  # a 128-token prompt
+                assert sum(uses) == 128 * 4
+            elif tokens == 1:
+                assert uses is None and len(needed) == 4
+            else:
+                assert sum(uses) == 8 * 4 and 4 <= len(needed) <= 32
+
+
+def test_slot_plan_times_every_policy_and_a_reference(tmp_path, capsys):
+    reference = tmp_path / "lru_before.py"  # an LRU slot cache from before the policy seam: no ``uses``
+    reference.write_text("from specfit.offload.slots import SlotBook\n\n\nclass LRUSlots(SlotBook):\n"
+                         "    def plan(self, needed, confirmed=True):\n"
+                         "        return super().plan(needed, confirmed)\n")
+    argv = ["slot-plan", "--rounds", "2", "--forwards", "130", "--slots", "6", "24", "--seed", "3"]
+    assert rules.main(argv + ["--reference", str(reference)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 rounds x 130 plans per trace, 64 experts top-4, load average")
+    lines = [line for line in out.splitlines() if " slots: " in line]
+    assert [line.split(":")[0] for line in lines] == ["decode  6 slots", "decode 24 slots", "verify  6 slots",
+                                                      "verify 24 slots"]
+    rng, misses = np.random.default_rng(3), {}
+    for line, (kind, slots) in zip(lines, itertools.product(("decode", "verify"), (6, 24))):
+        if slots == 6:
+            forwards = rules.trace(rng, 130, 1 if kind == "decode" else 8)
+        cells = re.findall(r"([a-z][a-z -]*?) ([\d.]+)/([\d.]+) us \(([\d.]+)\)", line.split(": ", 1)[1])
+        assert [c[0] for c in cells] == list(POLICIES) + ["reference lru"]
+        assert all(float(cpu) > 0 and float(wall) > 0 for _, cpu, wall, _ in cells)
+        misses[kind, slots] = {name: float(m) for name, _, _, m in cells}
+        # the misses per timed plan, counted here: the prompts (forwards 0, 64, 128) planned untimed
+        for name in POLICIES:
+            book, count = SlotBook(slots, 64, make_policy(name, 64)), 0
+            for i, (needed, uses) in enumerate(forwards):
+                plan = book.plan(needed, confirmed=i % 64 == 0, uses=uses)
+                book.confirm(e for e, _ in plan.loads)
+                count += (len(plan.loads) + len(plan.streamed)) * (i % 64 != 0)
+            assert misses[kind, slots][name] == round(count / 127, 2)
+        assert misses[kind, slots]["reference lru"] == misses[kind, slots]["lru"]
+    assert misses["decode", 24]["lru"] < misses["decode", 6]["lru"] < misses["verify", 6]["lru"]
+
+
+@pytest.fixture
+def gsm8k_folder(tmp_path, monkeypatch):
+    """A data folder of 104 GSM8K-style test questions (rule-gap decodes from the 101st on)."""
+    (tmp_path / "gsm8k").mkdir()
+    rows = [dict(question=f"Tom has {i} apples and buys {i % 7 + 2} more bags of {i % 5 + 3} apples. How many apples "
+                          f"does he have now?", answer="#### 0") for i in range(104)]
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("SPECFIT_DATA_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_rule_gap_compares_ascent_with_the_exact_optimum(gsm8k_folder, monkeypatch, capsys):
+    """Every pool the batch rule priced is searched pair by pair and whole at the cap; the gaps printed are those
+    of these searches. The first search's ascent is halved here, so the arithmetic shows (a 50% gap)."""
+    from specfit.decoding import batch_rows
+
+    priced, searches, rule, gap_to_exact = [], [], batch_rows.select_batch, rules.gap_to_exact
+
+    def price(rows, *rest):  # the batch rule as decoding calls it: every pool the benchmark records
+        priced.append(list(rows))
+        return rule(rows, *rest)
+
+    def search(rows, *prices):
+        ascent, exact = gap_to_exact(rows, *prices)
+        searches.append((list(rows), ascent, exact))
+        return (ascent * 0.5 if len(searches) == 1 else ascent), exact
+
+    monkeypatch.setattr(batch_rows, "select_batch", price)
+    monkeypatch.setattr(rules, "gap_to_exact", search)
+    assert rules.main(["rule-gap", "--prompts", "3", "--tokens", "6", "--cap", "1"]) == 0
+    assert batch_rows.select_batch is price  # the benchmark put back the rule it found
+    out = capsys.readouterr().out
+    assert priced and all(len(rows) == 3 for rows in priced)  # one row per prompt, every cycle
+    assert f"{len(priced)} recorded batch pools (3 rows, GSM8K held out, 12 slots)" in out
+    for _, ascent, exact in searches:
+        assert 0 < ascent <= exact * (1 + 1e-12)  # the exact optimum is never below coordinate ascent
+    pairs, whole, calls = [], [], iter(searches)
+    for rows in priced:
+        for a, b in itertools.combinations(rows, 2):
+            got, ascent, exact = next(calls)
+            assert got[0] is a and got[1] is b  # the recorded rows at their own budget
+            pairs.append(1 - ascent / exact)
+        got, ascent, exact = next(calls)
+        assert [r.max_nodes for r in got] == [min(r.max_nodes, 1) for r in rows]
+        assert [r.parents for r in got] == [r.parents for r in rows]
+        whole.append(1 - ascent / exact)
+    assert next(calls, None) is None
+    (pairs if len(priced[0]) > 1 else whole)[0] = 1 - 0.5 * searches[0][1] / searches[0][2]
+    for name, gaps in (("row pairs, full budget", pairs), ("all rows, <= 1 nodes per row", whole)):
+        g = np.array(gaps)
+        assert (f"  {name}: {len(g)} searches, gap to exact mean {g.mean():.4%}, worst {g.max():.4%}, exact "
+                f"reached in {np.mean(g <= 1e-12):.0%}") in out
+    assert "worst 50.0000%" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["selector", "--calls", "0"], "--calls must be >= 1, got 0"),
+    (["selector", "--max-nodes", "-1"], "--max-nodes must be >= 1, got -1"),
+    (["slot-plan", "--forwards", "1"], "--forwards must be >= 2 (a prompt, then the timed plans), got 1"),
+    (["slot-plan", "--slots", "6", "65"], "--slots must be in 1..64 (the trace's experts), got 65"),
+    (["slot-plan", "--reference", "no/such/lru.py"], "--reference no/such/lru.py is not a file"),
+    (["slot-plan", "--reference", "{other}"], "--reference {other} defines no LRUSlots class"),
+    (["rule-gap", "--prompts", "1"], "--prompts must be >= 2 (the rows of a batch), got 1"),
+    (["rule-gap", "--cap", "0"], "--cap must be >= 1, got 0"),
+    (["bogus"], "invalid choice: 'bogus'"),
+])
+def test_rules_refuse_a_bad_option_before_running(argv, message, tmp_path, monkeypatch, capsys):
+    from specfit.evaluation import harness
+
+    other = tmp_path / "other.py"  # a Python file without the slot cache class
+    other.write_text("class LRU:\n    pass\n")
+    argv, message = [a.replace("{other}", str(other)) for a in argv], message.replace("{other}", str(other))
+    monkeypatch.setattr(harness, "load_instances", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(rules, "eagle_pool", lambda *a, **k: pytest.fail("built pools"))
+    monkeypatch.setattr(rules, "trace", lambda *a, **k: pytest.fail("built traces"))
+    with pytest.raises(SystemExit) as exit:
+        rules.main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
