@@ -5,6 +5,7 @@ and writes, checked against the same figures computed here, and a clear refusal 
 
 import itertools
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from specfit.selection.cost_model import CostModel
 from specfit.selection.selector import select_subtree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import loading  # noqa: E402
 import rules  # noqa: E402
 
 NUMBER = r"([\d.]+)"
@@ -178,3 +180,91 @@ def test_rules_refuse_a_bad_option_before_running(argv, message, tmp_path, monke
     with pytest.raises(SystemExit) as exit:
         rules.main(argv)
     assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_loader_measures_both_paths(tmp_path, capsys):
+    folder, results = tmp_path / "ckpt", tmp_path / "out" / "loader.json"
+    rc = loading.main(["loader", "--dir", str(folder), "--preset", "tiny", "--layers", "1", "--shard-size", "200KB",
+                       "--repeats", "1", "--json", str(results)])
+    out = capsys.readouterr().out
+    shards = sorted(folder.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in shards)
+    assert f"wrote {folder}: {len(shards)} shards" in out and len(shards) > 1
+    assert f"checkpoint: {total:,} bytes ({total / 1e9:.2f} GB) in {len(shards)} shards" in out
+    saved = json.loads(results.read_text())
+    assert (saved["checkpoint_bytes"], saved["shards"]) == (total, len(shards))
+    assert saved["largest_shard"] == max(p.stat().st_size for p in shards)
+    for mode, label in (("specfit", "specfit.from_pretrained"), ("naive", "AutoModelForCausalLM.from_pretrained + "
+                                                                           "enable")):
+        r = saved["results"][mode]
+        assert len(r["runs"]) == 1 and r["runs"][0]["mode"] == mode and r["runs"][0]["expert_bytes"] > 0
+        assert r["peak"] == r["runs"][0]["peak"] > 0 and r["load_s"] > 0 and r["ratio"] == r["peak"] / total
+        assert (r["enable_s"] > 0) == (mode == "naive")  # specfit.from_pretrained enables as it loads
+        assert (f"| {label} | {r['peak'] / 1e9:.2f} GB | {r['ratio']:.2f}x | {(r['peak'] - total) / 1e6:+.0f} MB | "
+                f"{r['after'] / 1e9:.2f} GB | {r['load_s']:.1f} | {r['enable_s']:.1f} |") in out
+    ratio = saved["results"]["specfit"]["ratio"]  # a tiny checkpoint is far below the process's own growth
+    assert rc == (0 if ratio <= 1.2 else 1)
+    assert f"peak / checkpoint = {ratio:.3f} (bound 1.2): {'PASS' if ratio <= 1.2 else 'FAIL'}" in out
+
+
+def test_a_checkpoint_is_reused_only_when_written_with_the_same_settings(tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    loading.ensure_checkpoint(folder, "tiny", "4GB", 1)
+    first = (folder / "model-00001-of-00001.safetensors").stat().st_mtime_ns
+    loading.ensure_checkpoint(folder, "tiny", "4GB", 1)
+    assert capsys.readouterr().out.splitlines()[-1] == f"reusing {folder}"
+    assert (folder / "model-00001-of-00001.safetensors").stat().st_mtime_ns == first
+    loading.ensure_checkpoint(folder, "tiny", "4GB", 2)  # another setting: written again
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2
+    assert json.loads((folder / "synthetic.json").read_text())["layers"] == 2
+    loading.ensure_checkpoint(folder, "tiny", "4GB", 2, rewrite=True)
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"wrote {folder}: 1 shards")
+
+
+def test_offload_measures_slots_with_and_without_the_link(tmp_path, capsys):
+    results = tmp_path / "out" / "offload.json"
+    assert loading.main(["offload", "--models", "tiny", "--repeats", "1", "--new-tokens", "4", "--layers", "1",
+                         "--dir", f"tiny={tmp_path / 'tiny'}", "--json", str(results)]) == 0
+    out = capsys.readouterr().out
+    (r,) = json.loads(results.read_text())["models"]
+    assert (r["model"], r["layers"], r["experts"], r["top_k"], r["new_tokens"]) == ("tiny", 1, 128, 8, 4)
+    assert math.isclose(r["link_ms"], 1.4 * r["compute_ms_per_token"] / (1 * 8))
+    assert r["effective_ratio"] > 0
+    link = f"CPU, emulated link ({r['link_ms']:.3f} ms/expert)"
+    assert [(row["regime"], row["slots"], row["slots_label"]) for row in r["rows"]] == [
+        (regime, slots, label) for regime in ("CPU, memcpy (no link)", link)
+        for slots, label in ((128, "all"), (48, "37.5%"), (12, "9.4%"))]
+    for row in r["rows"]:
+        assert row["link_ms"] == (None if "memcpy" in row["regime"] else r["link_ms"])
+        assert row["tokens_per_second"] == row["tokens_per_second_runs"][0] > 0
+        assert (f"| {row['regime']} | {row['slots']} ({row['slots_label']}) | {row['tokens_per_second']:.1f} | "
+                f"{row['copies_per_token']:.1f} | {row['hit_rate']:.2f} | {row['copy_wait_share']:.0%} |") in out
+    for rows in (r["rows"][:3], r["rows"][3:]):
+        assert rows[0]["copies_per_token"] == 0 and rows[0]["hit_rate"] == 1.0
+        assert 0 < rows[1]["copies_per_token"] < rows[2]["copies_per_token"]
+        assert 1.0 > rows[1]["hit_rate"] > rows[2]["hit_rate"]
+    assert r["rows"][5]["copy_wait_share"] > r["rows"][2]["copy_wait_share"]  # the link's copies are waited for
+    assert "tiny: 1 layers x 128 experts, top-8, bfloat16, 4 new tokens, median of 1" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["loader", "--modes", "specfit,fast"], "--modes: unknown 'fast'; choose from specfit, naive"),
+    (["loader", "--preset", "huge"], "invalid choice: 'huge'"),
+    (["loader", "--shard-size", "12XB"], "--shard-size: size '12XB': expected e.g. 4GB"),
+    (["loader", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["loader", "--dir", "{real}"], "holds files but no synthetic.json"),
+    (["offload", "--models", "tiny,large"], "--models: unknown 'large'; choose from tiny, medium"),
+    (["offload", "--models", "tiny", "--dir", "tiny"], "--dir tiny: expected MODEL=FOLDER"),
+    (["offload", "--models", "tiny", "--dir", "medium=x"], "--dir medium=x: expected MODEL=FOLDER, MODEL one of"),
+    (["offload", "--models", "tiny", "--dir", "tiny={real}"], "holds files but no synthetic.json"),
+    (["offload", "--new-tokens", "0"], "--new-tokens must be >= 1, got 0"),
+])
+def test_loading_refuses_a_bad_option_before_writing_or_loading(argv, message, tmp_path, monkeypatch, capsys):
+    real = tmp_path / "real"  # a folder holding someone's checkpoint: never overwritten
+    real.mkdir()
+    (real / "model.safetensors").write_bytes(b"weights")
+    monkeypatch.setattr(loading, "ensure_checkpoint", lambda *a, **k: pytest.fail("wrote a checkpoint"))
+    with pytest.raises(SystemExit) as exit:
+        loading.main([a.replace("{real}", str(real)) for a in argv])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+    assert (real / "model.safetensors").read_bytes() == b"weights"
