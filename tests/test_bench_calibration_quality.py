@@ -15,7 +15,8 @@ import pytest
 
 from specfit import embedded
 from specfit.evaluation import datasets
-from specfit.evaluation.reliability import replay as replay_cycles
+from specfit.evaluation import acceptance_tables
+from specfit.evaluation.reliability import ece, replay as replay_cycles
 from specfit.selection.acceptance_model import AcceptanceModel, AcceptanceTables
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -105,17 +106,24 @@ def test_counterfactual_cell_joins_what_was_forecast_with_what_happened(tmp_path
     assert 1 <= sum(r["tokens"] for r in rows) <= 6  # the timed prompt's tokens only: the warm-up left out
     assert 1 <= own["cycles"] <= 6 and own["tok_s"] > 0 and own["draft_ms"] > 0
     assert own["tokens_per_cycle"] == pytest.approx(own["tok_s"] * own["ms_per_cycle"] / 1e3)
-    assert "gsm8k:12 (1 prompts x 6 tokens" in printed and " ms/copy; CPU, emulated: not GPU speed)" in printed
+    assert any(f"{key}_tokens" in r for r in rows if r["kind"] == "eagle3" for key in ("sf", "full", "tp"))  # greedy
+    default = embedded.link_seconds_per_expert(embedded.default_link()) * 1e3  # 1.4: the structural default link
+    assert "gsm8k:12 (1 prompts x 6 tokens" in printed and f"link {default:.3f} ms/copy; CPU, emulated" in printed
     assert "EAGLE-3 itself (its own drafting" in printed and "not GPU speed" in printed
 
 
-def test_acceptance_streams_recorded_then_replayed(tmp_path, capsys):
+def test_acceptance_streams_recorded_then_replayed(tmp_path, capsys, monkeypatch):
     needs_data(lambda: datasets.gsm8k("train", 101), lambda: datasets.cnn_dailymail(1))
-    path = tmp_path / "streams.json"
+    path, read = tmp_path / "streams.json", []
+    real = acceptance_tables.calibration_prompts
+    monkeypatch.setattr(acceptance_tables, "calibration_prompts", lambda tok, n, texts: read.append(texts) or real(
+        tok, n, texts))  # what the record reads, read as it is
     assert calibration.main(["acceptance", "record", "--prompts", "1", "--tokens", "6", "--out", str(path)]) == 0
     streams = json.loads(path.read_text())
     counts = {w: sum(len(c) for p in streams[w] for c in p) for w in ("gsm8k", "cnn")}
     assert f"{counts} labels; wrote {path}" in capsys.readouterr().out
+    assert read == [[datasets.GSM8K_PROMPT.format(question=datasets.gsm8k("train", 101)[100]["question"])],
+                    [datasets.CNN_PROMPT.format(article=datasets.cnn_dailymail()[-25]["article"][:1500])]]
     for prompts in streams.values():
         [cycles] = prompts  # one prompt per workload, its cycles in order
         assert len(cycles) >= 2 and all(c for c in cycles)  # EAGLE-3 labels children every cycle
@@ -169,13 +177,13 @@ def test_seeded_sampling_repeats_give_one_text(tmp_path, capsys):
 
 def test_soak_checks_every_greedy_call_and_reports_drift(tmp_path, capsys):
     out = tmp_path / "soak.json"
-    assert quality.main(["soak", "--calls", "9", "--threads-every", "4", "--gsm8k", "1", "--cnn", "1",
-                         "--lengths", "4", "6", "--json", str(out)]) == 0
+    assert quality.main(["soak", "--calls", "6", "--threads-every", "2", "--gsm8k", "1", "--cnn", "1",
+                         "--lengths", "4", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert printed.startswith(json.dumps(report, indent=1)) and f"wrote {out}" in printed
-    assert report["calls"] == 12  # calls 4-7 and 8-11 in bursts of 4 threads
-    assert report["greedy_calls"] == report["greedy_identical"] == sum(k % 7 != 3 for k in range(12))
+    assert report["calls"] == 6  # calls 2-5 in a burst of 4 threads
+    assert report["greedy_calls"] == report["greedy_identical"] == sum(k % 7 != 3 for k in range(6))
     assert len(report["rss_mb_after_each_third"]) == 3 and min(report["rss_mb_after_each_third"]) > 50
     assert report["link"] == "emulated link, structural default" and report["link_ms"] > 0
     for key in ("ms_per_token_first_third", "ms_per_token_last_third", "median_ms_per_token"):
@@ -221,7 +229,51 @@ def test_the_commands_each_suite_shows_reach_their_part(monkeypatch):
                                          "seeded", "soak"]
     smoke = [args for name, args in ran if args.get("smoke")]
     assert [(a["slots"], a["gsm8k"], a["cnn"], a["tokens"]) for a in smoke] == [([6], 1, 1, 24)]
-    assert [c["name"] for c in ran[1][1]["cells"]] == ["gsm8k:12", "cnn:12", "gsm8k:24", "cnn:24", "gsm8k:64:0",
-                                                       "gsm8k:12:1.4:sample"] and ran[3][1]["sparse"]
+    assert [(c["name"], c["slots"], c["ratio"], c["sample"]) for c in ran[1][1]["cells"]] == [
+        ("gsm8k:12", 12, 1.4, False), ("cnn:12", 12, 1.4, False), ("gsm8k:24", 24, 1.4, False),
+        ("cnn:24", 24, 1.4, False), ("gsm8k:64:0", 64, 0.0, False), ("gsm8k:12:1.4:sample", 12, 1.4, True)]
+    assert ran[3][1]["sparse"] and ran[0][1]["cache"] is None
     quality.main(["seeded", "--smoke"])
     assert {k: ran[-1][1][k] for k in ("prompts", "repeats", "tokens")} == {"prompts": 1, "repeats": 3, "tokens": 12}
+
+
+def test_replay_predicts_each_cycle_before_learning_it():
+    class Counting:  # predicts the share of labels learnt so far that were 1, out of 10
+        def __init__(self):
+            self.learnt = []
+
+        def predict(self, depth, rank, q):
+            return sum(self.learnt) / 10
+
+        def update(self, cycle):
+            self.learnt += [y for *_, y in cycle]
+
+    model = Counting()
+    result = replay_cycles(model, [[(1, 1, 0.5, 1), (1, 2, 0.2, 0)], [], [(2, 1, 0.4, 1)]])
+    assert model.learnt == [1, 0, 1] and result["labels"] == 3
+    assert result["ece"] == pytest.approx(ece([0.0, 0.0, 0.1], [1, 0, 1]))  # the third predicted after two learnt
+
+
+def test_soak_fails_when_a_greedy_output_differs(monkeypatch, capsys):
+    """EAGLE-3's greedy outputs made wrong in their last token: the soak counts them and exits 1."""
+    real = embedded.load
+
+    def load(*args, **kwargs):
+        model, tokenizer = real(*args, **kwargs)
+        generate = model.generate
+
+        def wrong(*a, **k):
+            out = generate(*a, **k)
+            if k.get("assistant") == "eagle3" and not k.get("do_sample"):
+                out = out.clone()
+                out[0, -1] = (out[0, -1] + 1) % model.config.vocab_size
+            return out
+
+        model.generate = wrong
+        return model, tokenizer
+
+    monkeypatch.setattr(embedded, "load", load)
+    argv = ["soak", "--calls", "3", "--threads-every", "0", "--gsm8k", "1", "--cnn", "0", "--lengths", "4"]
+    assert quality.main(argv) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["greedy_calls"] == 3 and report["greedy_identical"] == 2  # calls: AR, EAGLE-3, SpecFit
