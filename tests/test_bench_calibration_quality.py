@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from specfit import embedded
 from specfit.evaluation import datasets
@@ -147,8 +149,11 @@ def labels(line: str) -> dict:
     return {w: int(n) for w, n in re.findall(r"(\w+) \S+ \(floor \S+, (\d+) labels\)", line)}
 
 
-def test_near_ties_judges_each_method_against_plain_bf16(tmp_path, capsys):
+def test_near_ties_judges_each_method_against_plain_bf16(tmp_path, capsys, monkeypatch):
     needs_data()
+    plain, loaded = transformers.AutoModelForCausalLM.from_pretrained, []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: loaded.append(plain(*a, **k)) or loaded[-1])  # the reference, as loaded
     assert quality.main(["near-ties", "--slots", "6", "--gsm8k", "1", "--cnn", "0", "--tokens", "4",
                          "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
@@ -163,6 +168,8 @@ def test_near_ties_judges_each_method_against_plain_bf16(tmp_path, capsys):
         assert r["identical"] + r["divergences"] == 1 and r["max_deviation_units"] <= result["k"]
         assert f"    6 {r['method']:8s}   1/1" in printed
     assert "shape noise over 3 positions" in printed
+    assert [(m.dtype, type(m).__name__, hasattr(m, "specfit")) for m in loaded] == [
+        (torch.bfloat16, "Qwen3MoeForCausalLM", False)]  # plain transformers in bf16
 
 
 def test_seeded_sampling_repeats_give_one_text(tmp_path, capsys):
@@ -178,7 +185,7 @@ def test_seeded_sampling_repeats_give_one_text(tmp_path, capsys):
 def test_soak_checks_every_greedy_call_and_reports_drift(tmp_path, capsys):
     out = tmp_path / "soak.json"
     assert quality.main(["soak", "--calls", "6", "--threads-every", "2", "--gsm8k", "1", "--cnn", "1",
-                         "--lengths", "4", "--json", str(out)]) == 0
+                         "--lengths", "4", "5", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert printed.startswith(json.dumps(report, indent=1)) and f"wrote {out}" in printed
@@ -277,3 +284,13 @@ def test_soak_fails_when_a_greedy_output_differs(monkeypatch, capsys):
     assert quality.main(argv) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["greedy_calls"] == 3 and report["greedy_identical"] == 2  # calls: AR, EAGLE-3, SpecFit
+
+
+def test_sparse_replay_keeps_depth_one_of_every_third_cycle(tmp_path, capsys):
+    cycles = [[(1, r, 0.5, r % 2) for r in range(1, i + 2)] + [(2, 1, 0.3, 0)] for i in range(5)]  # 1..5 at depth 1
+    (tmp_path / "s.json").write_text(json.dumps({"gsm8k": [cycles], "cnn": [cycles[:2], cycles[2:]]}))
+    assert calibration.main(["acceptance", "replay", str(tmp_path / "s.json")]) == 0
+    assert {tuple(labels(s).values()) for s in capsys.readouterr().out.splitlines()} == {(20, 20)}
+    assert calibration.main(["acceptance", "replay", str(tmp_path / "s.json"), "--sparse"]) == 0
+    # cycles 0 and 3 of GSM8K's prompt (1 + 4 labels); of CNN/DailyMail's two prompts, cycle 0 of each (1 + 3)
+    assert {tuple(labels(s).values()) for s in capsys.readouterr().out.splitlines()} == {(5, 4)}
