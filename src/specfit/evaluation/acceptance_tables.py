@@ -26,15 +26,20 @@ MAX_PROMPT_TOKENS = 450
 
 
 class LabelRecorder(Eagle3Generator):
-    """The EAGLE-3 assistant, recording ``(depth, rank, q, label)`` for every child it gets a label for."""
+    """The EAGLE-3 assistant, recording ``(depth, rank, q, label)`` for every child it gets a label for
+    (``per_cycle``: one list of them per cycle)."""
 
-    def __init__(self, model, records: list):
+    def __init__(self, model, records: list, per_cycle: bool = False):
         super().__init__(model)
-        self.records = records
+        self.records, self.per_cycle = records, per_cycle
 
     def learn(self, tree, layout, acc, choices, sampling):
         nodes, labels = child_labels(tree, layout, acc, choices, sampling)
-        self.records += [(tree.depths[v], tree.ranks[v], tree.qs[v], y) for v, y in zip(nodes, labels)]
+        cycle = [(tree.depths[v], tree.ranks[v], tree.qs[v], y) for v, y in zip(nodes, labels)]
+        if self.per_cycle:
+            self.records.append(cycle)
+        else:
+            self.records += cycle
 
 
 def collect(model, prompts: list[torch.Tensor], sampling: bool = False, max_new_tokens: int = 64,
@@ -50,6 +55,17 @@ def collect(model, prompts: list[torch.Tensor], sampling: bool = False, max_new_
         if progress is not None:
             progress(i + 1)
     return records
+
+
+def collect_cycles(model, prompts: list[torch.Tensor], max_new_tokens: int = 64) -> list[list[list[tuple]]]:
+    """Greedy labels per prompt ([1, P] token ids) and cycle, in the order an acceptance model would learn them
+    (``reliability.replay``)."""
+    streams: list[list] = []
+    for ids in prompts:
+        streams.append([])
+        model.generate(ids.to(model.specfit.device), max_new_tokens=max_new_tokens, do_sample=False,
+                       assistant=lambda m: LabelRecorder(m, streams[-1], per_cycle=True))
+    return streams
 
 
 def calibration_prompts(tokenizer, num_prompts: int, texts: list[str] | None = None) -> list[torch.Tensor]:

@@ -17,8 +17,8 @@ EAGLE-3's tree). Drafting runs the route head on every drafted node in both turn
 EAGLE-3 turn's drafting is SpecFit's, not EAGLE-3's own (which drafts fewer nodes): the report shows drafting apart.
 
 ``summarize(rows)`` turns the records of a cell into the figures that say which term mis-values what
-(``benchmarks/counterfactual.py`` runs the cells and prints them). Use: ``generate(..., assistant=Counterfactual
-.factory(log))`` with ``model.specfit.stats.start_trace()`` on, then ``join(log, trace)``.
+(``python benchmarks/run.py calibration counterfactual`` runs the cells and prints them). Use: ``generate(...,
+assistant=Counterfactual.factory(log))`` with ``model.specfit.stats.start_trace()`` on, then ``join(log, trace)``.
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ plain transformers alone (no SpecFit code):
   most the deviation at that position, so a pair's gap moves by at most twice it: with deviations inside the noise
   unit, only gaps up to 2 units can flip. So ``k = 2`` (the default): a divergence is a *near-tie* when that gap is at
   most 2 noise units, and every compared position's deviation must be at most 2 units too (twice the largest plain
-  transformers itself shows). Measured on the embedded model in bf16 (``benchmarks/bf16_near_ties.py``,
-  BENCHMARKS.md): the assistants' deviations stay below 1 unit and their divergences sit at gaps below 0.2 units,
-  several of them exact ties in bf16; a wrong expert or a wrong tree mask on the tiny test model shows as deviations
-  of 7 to several hundred units (``tests/test_near_ties.py`` injects both). Only the first divergence of a pair of
-  texts is comparable: after it the prefixes differ.
+  transformers itself shows). Measured on the embedded model in bf16 (``python benchmarks/run.py quality
+  near-ties``, BENCHMARKS.md): the assistants' deviations stay below 1 unit and their divergences sit at gaps below
+  0.2 units, several of them exact ties in bf16; a wrong expert or a wrong tree mask on the tiny test model shows as
+  deviations of 7 to several hundred units (``tests/test_near_ties.py`` injects both). Only the first divergence of
+  a pair of texts is comparable: after it the prefixes differ.
 - ``near_tie_rate``: the share of plain's positions whose top-1/top-2 gap is at most ``k`` noise units (how often a
   flip is possible at all).
 """

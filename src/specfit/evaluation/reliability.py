@@ -46,6 +46,19 @@ def ece_floor(predicted, draws: int = 20, seed: int = 0) -> float:
     return float(np.mean([ece(predicted, rng.random(predicted.size) < predicted) for _ in range(draws)]))
 
 
+def replay(model, cycles) -> dict:
+    """An acceptance model (``predict``, ``update``) over labelled cycles in order, each a list of ``(depth, rank, q,
+    label)``: every cycle's children predicted before their labels are learnt. Its ECE, the floor for as many
+    labels, and how many."""
+    predicted, labels = [], []
+    for cycle in cycles:
+        if cycle:
+            predicted += [model.predict(d, r, q) for d, r, q, _ in cycle]
+            labels += [y for *_, y in cycle]
+            model.update(cycle)
+    return {"ece": ece(predicted, labels), "floor": ece_floor(predicted), "labels": len(labels)}
+
+
 def summary(log) -> dict:
     """ECE of the raw conditional probabilities and of the calibrated estimates, overall and per (depth, rank)."""
     if not log:
