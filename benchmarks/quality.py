@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from calibration import held_out, run_part, slot_count  # this folder's shared helpers
+from calibrating import held_out, run_part, slot_count  # this folder's shared helpers
 from specfit.cli_checks import at_least
 from specfit.evaluation.results_file import write_results
 

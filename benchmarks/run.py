@@ -52,7 +52,7 @@ SUITES = {
     "profile": ("cycle_profile", "where one decoding cycle's time goes, part by part"),
     "rules": ("rules", "the selector, one layer's slot plan, the batch rule against the exact optimum"),
     "load": ("loading", "loading a checkpoint (time, peak memory), plain decode over slots on synthetic checkpoints"),
-    "calibration": ("calibration", "the online cost refresh, the counterfactual forecast, the acceptance prior"),
+    "calibration": ("calibrating", "the online cost refresh, the counterfactual forecast, the acceptance prior"),
     "quality": ("quality", "bf16 near ties, seeded repeats, a soak of mixed calls (lossless throughout)"),
     "syncs": (None, "would-be host syncs per token and cycle of whole generate() calls"),
     "hf-tests": ("hf_model_tests", "transformers' own Qwen3-MoE tests on SpecFit-enabled models"),

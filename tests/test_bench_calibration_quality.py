@@ -23,7 +23,7 @@ from specfit.selection.acceptance_model import AcceptanceModel, AcceptanceTables
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-import calibration  # noqa: E402  (benchmarks/calibration.py, not the repository's calibration/ data folder)
+import calibrating as calibration  # noqa: E402  (benchmarks/calibrating.py)
 import quality  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not embedded.available(), reason="the embedded model is not installed")
