@@ -299,6 +299,9 @@ def run_grid(args) -> list[dict]:
         print(line(args, results[-1]), flush=True)
         if args.acceptance:
             for m, s in results[-1]["acceptance"].items():
+                if not s["labels"]:  # the paper's reward labels nothing: no calibrated estimates to judge
+                    print(f"  {m}: no labelled children (its acceptance is not the calibrated model's)", flush=True)
+                    continue
                 print(f"  {m}: per-node ECE calibrated {s['ece_calibrated']:.3f}, raw draft probabilities "
                       f"{s['ece_raw']:.3f}, floor {s['ece_floor']:.3f} ({s['labels']} labels); expected / committed "
                       f"{results[-1]['expected_over_committed'][m]:.2f}", flush=True)

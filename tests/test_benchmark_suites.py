@@ -84,10 +84,11 @@ def test_lane_and_regimes_cells(tmp_path, capsys):
 def test_forecast_suite_with_the_oracle_and_calibration(tmp_path, capsys):
     needs_data()
     report, printed = suite(["forecast", "--workloads", "gsm8k", "--slots", "12", "--groups", "1", "--tokens", "4",
-                             "--methods", "ar", "specfit", "acceptance-oracle"], tmp_path, capsys)
+                             "--methods", "ar", "specfit", "specfit-paper", "acceptance-oracle"], tmp_path, capsys)
     (c,) = report["cells"]
     assert c["forecast_over_real"] > 0 and c["acceptance"]["specfit"]["labels"] > 0
-    assert "per-node ECE calibrated" in printed
+    assert "specfit: per-node ECE calibrated" in printed
+    assert c["acceptance"]["specfit-paper"]["labels"] == 0 and "specfit-paper: no labelled children" in printed
     assert c["tok_s_excl_measurement"]["acceptance-oracle"] > c["tok_s"]["acceptance-oracle"]
 
 
@@ -164,7 +165,9 @@ def test_every_command_shown_parses(doc):
         assert argv[0] in {*run.GRIDS, *run.SUITES}, argv
         if argv[0] in run.GRIDS:
             p = run.grid_parser(argv[0])
-            run.check(p, p.parse_args([a.replace("FILE", "README.md") for a in argv[1:]]))
+            args = p.parse_args(argv[1:])
+            args.prompts = args.prompts and str(ROOT / "README.md")  # the user's file: any file that exists
+            run.check(p, args)
 
 
 def test_every_suite_has_its_instrument():
@@ -197,3 +200,19 @@ def test_cache_suite_smoke(tmp_path):
     assert run.main(["cache", "--smoke", "--out", str(tmp_path)]) in (0, None)
     report = json.loads((tmp_path / "results.json").read_text())
     assert report  # the replay and the clock, written
+
+
+def test_the_grid_runs_every_cell_once_in_order():
+    """A timed suite's cells: every combination of its options, batch sizes innermost, a cell without a link on the
+    copy lane (the lane is scaled to the link), duplicates run once."""
+    from argparse import Namespace
+
+    args = Namespace(prompts=None, workloads=["gsm8k", "cnn"], batches=[1, 4], slots=[12], lanes=["host", "copy"],
+                     links=[0.0, 1.0], policies=None, threads=[1, 2])
+    cells = harness.cells(args)
+    assert len(cells) == 2 * 2 * 2 * 2 * 2 - 8  # a cell with no link has the copy lane only: 8 of them fold away
+    assert [c.batch for c in cells[:2]] == [1, 4] and cells[0] == harness.Cell("gsm8k", 1, 12, "copy", 0.0, None, 1)
+    assert {c.threads for c in cells} == {1, 2} and {(c.link, c.lane) for c in cells} == {
+        (0.0, "copy"), (1.0, "host"), (1.0, "copy")}
+    args.prompts = "my/prompts.txt"
+    assert {c.workload for c in harness.cells(args)} == {"prompts.txt"}
