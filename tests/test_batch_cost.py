@@ -2,6 +2,7 @@
 
 import doctest
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -86,3 +87,34 @@ def test_the_batch_probes_fit_recovers_the_fixed_time_beside_the_experts():
     assert {k: round(fit[k], 6) for k in FIXED} == truth
     assert fit["records"] == 40 and fit["rows"] == [2, 3, 4] and fit["r2"] == pytest.approx(1.0)
     assert batch_probes.fit_batch(records[:9], cost) is None  # too few records: no section
+
+
+def test_the_batch_probes_keep_each_cycles_fastest_repeat_of_the_cycles_that_replayed_alike():
+    """Each probe batch runs twice: a cycle's record takes the faster repeat's clock (interference only adds time),
+    less its measurement; a cycle whose repeats differ, or that ran one row, is left out."""
+    import torch
+    from transformers import GenerationConfig
+
+    from specfit.stats.trace import CycleRecord
+
+    def cycle(seconds, demand=40, rows=(2, 3), measurement=0.0):
+        return CycleRecord(sum(rows), demand, seconds, 8, 3, 5, 0.01, measurement, None, 2, "specfit", rows, (2, 1))
+
+    repeats = [[cycle(0.5, measurement=0.1), cycle(0.2), cycle(0.3, demand=41), cycle(0.1, rows=(2,))],
+               [cycle(0.3, measurement=0.05), cycle(0.4), cycle(0.3, demand=44), cycle(0.1, rows=(2,))]]
+    stats = SimpleNamespace(trace=None)
+    calls = []
+
+    def generate(ids, attention_mask, **kw):
+        assert ids.shape == attention_mask.shape == (2, 3)  # the two prompts, left-padded
+        stats.trace.extend(repeats[len(calls)])
+        calls.append(kw["assistant"])
+
+    runtime = SimpleNamespace(stats=stats, device="cpu", clear_cache=lambda: None)
+    model = SimpleNamespace(specfit=runtime, generate=generate, generation_config=GenerationConfig(pad_token_id=0))
+    prompts = [torch.tensor([[5, 6, 7]]), torch.tensor([[8, 9]])]
+    records = batch_probes.probe_batches(model, prompts, rows=(2,), repeats=2)
+    assert len(calls) == 2 and stats.trace is None
+    assert [r["seconds"] for r in records] == [pytest.approx(0.25), pytest.approx(0.2)]
+    assert records[0] == dict(rows=2, nodes=5, levels=2, drafted=3, demand=40, misses=5, host=2,
+                              seconds=records[0]["seconds"])

@@ -159,11 +159,18 @@ class Way(SpecFitGenerator):
     batch_way = "plain"
 
 
-def test_a_plain_batch_step_is_forecast_at_its_fixed_time_plus_the_last_steps_experts():
+@pytest.mark.parametrize("cold", ["copy", "host"])
+def test_a_plain_batch_step_is_forecast_at_its_fixed_time_plus_the_last_steps_experts(cold):
     """Every cycle plain: the forecast is the batch model's fixed time for the rows in flight, plus the demand and
-    cold experts per token of the last plain step, priced at the rows' beta and miss."""
+    cold experts per token of the last plain step (copied, or computed on the host lane), priced at the rows' beta
+    and miss."""
+    from specfit.offload.host_lane import HostConfig
+
     ids, mask = padded_batch()
-    model = enabled(guard=False)
+    lane = dict(host=HostConfig(bandwidth=2e9), cost_model=CostModel(COST.intercepts, COST.beta, copy_overhead=0.008,
+                                                                      link_share=1.0, host_overhead=0.003,
+                                                                      host_share=1.0))
+    model = enabled(guard=False, cold=cold, **(lane if cold == "host" else {}))
     model.specfit.stats.start_trace()
     Way.batch_way = "plain"
     out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, assistant=Way)
@@ -172,6 +179,7 @@ def test_a_plain_batch_step_is_forecast_at_its_fixed_time_plus_the_last_steps_ex
     cost = BatchCost.of(rows_cost)
     trace = model.specfit.stats.trace
     assert all(r.way == "plain" and r.pool == 0 for r in trace)
+    assert any(r.host_experts for r in trace) == (cold == "host")
     for before, r in zip(trace, trace[1:]):
         per_row = before.demand / 3, (before.misses + before.host_experts) / 3
         want = cost.fixed(3, 0) + rows_cost.beta * per_row[0] * 3 + rows_cost.miss * per_row[1] * 3
@@ -392,6 +400,11 @@ def test_plain_steps_teach_both_drafted_ways_and_a_way_teaches_its_own(monkeypat
     Way.batch_way = "plain"
     eagle = model.specfit.stats.last_generate.cycles
     assert refresh["specfit"].cycles == plain and refresh["eagle3"].cycles == plain + eagle
+    specfit.configure(model, depth=3)  # another depth drafts other levels: its batch refresh starts again
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, assistant=Way)
+    fresh = model.specfit.batch_refresh[1]
+    plain = model.specfit.stats.last_generate.cycles
+    assert fresh["specfit"] is not refresh["specfit"] and fresh["specfit"].cycles == fresh["eagle3"].cycles == plain
 
 
 def test_a_batch_rows_pool_is_routed_as_its_pool_alone(monkeypatch):
@@ -424,6 +437,21 @@ def test_a_batch_rows_pool_is_routed_as_its_pool_alone(monkeypatch):
         together_nodes, together_root = first[tokens]
         assert (together_root == root).all()
         assert (together_nodes[:len(nodes)] == nodes).all(), f"row {b}"
+
+
+def test_a_batch_expects_the_tokens_its_rows_expect_alone():
+    """EAGLE-3's batch of two copies of one prompt: a cycle expects what each row expects (1 + its verified nodes'
+    path probabilities) summed over the rows, so expected_over_committed reads as at batch 1."""
+    ids, _ = padded_batch(lengths=(9,))
+    model = enabled()
+    model.generate(ids, max_new_tokens=8, do_sample=False, assistant="eagle3")
+    alone = model.specfit.stats.last_generate
+    cycles, committed, expected = alone.cycles, alone.tokens_committed, alone.expected_tokens
+    out = model.generate(ids.repeat(2, 1), attention_mask=torch.ones(2, 9, dtype=torch.long), max_new_tokens=8,
+                         do_sample=False, assistant="eagle3")
+    g = model.specfit.stats.last_generate
+    assert torch.equal(out[0], out[1]) and g.cycles == cycles and g.tokens_committed == 2 * committed
+    assert expected > cycles and g.expected_tokens == pytest.approx(2 * expected, rel=1e-4)
 
 
 def test_plain_and_speculative_batches_count_the_same_new_tokens():

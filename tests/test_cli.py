@@ -65,6 +65,25 @@ def test_a_refusal_is_one_line_not_a_traceback(capsys):
     assert "Traceback" not in err
 
 
+def test_a_missing_file_is_a_refusal_too(capsys, monkeypatch, tmp_path):
+    """A file a command needs and cannot find (here the embedded model's config, as after a broken install) is one
+    line on stderr and exit status 2, like every other refusal, not a traceback."""
+    from specfit.embedded import paths
+
+    monkeypatch.setattr(paths, "TARGET_DIR", tmp_path / "target")
+    code, _, err = run(capsys, "estimate")
+    assert code == 2 and err.startswith("specfit estimate: error: ") and "config.json" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2  # the refusal, and how to see where
+
+
+@pytest.mark.parametrize("name", ["demo", "estimate", "bench", "serve", "calibrate"])
+def test_link_ms_0_is_a_free_link_not_a_refusal(name):
+    """Every command's help says --link-ms 0 is no link cost: its option check takes it."""
+    args = cli.command_parser(name).parse_args(["--link-ms", "0"])
+    __import__(cli.SUBCOMMANDS[name][0], fromlist=["check_arguments"]).check_arguments(args)
+    assert args.link_ms == 0
+
+
 def test_bench_without_data_says_where_to_get_it_and_stops(capsys, monkeypatch):
     from specfit.evaluation import harness
 
@@ -170,6 +189,8 @@ OPTION_ERRORS = [
     (["demo", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["demo", "--link-ms", "-1"], "--link-ms must be a finite number of milliseconds"),
     (["demo", "--prompt", " "], "--prompt needs a non-empty TEXT"),
+    (["demo", "--link-ms", "0", "--host-ratio", "2"], "--host-ratio scales the host lane to the link, and --link-ms 0 "
+                                                       "makes copies free"),
     (["bench", "--slots", "0", "12"], "--slots are expert slots per layer, each in 1..64 (the embedded model's "
                                       "experts per layer) or 'none' (no cache), got 0"),
     (["bench", "--gsm8k-prompts", "0"], "--gsm8k-prompts must be >= 1, got 0"),

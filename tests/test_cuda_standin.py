@@ -53,9 +53,12 @@ def test_the_cuda_flow_is_taken_and_measured_once_at_enable(on):
     assert "link bandwidth probe" not in waits
     registered = [p for kind, p, _ in standin.LEDGER if kind == "register"]
     assert len(registered) == len(rt.layers)
+    arena, pageable = rt.store.arenas[0], torch.zeros(4)
+    assert standin.HostCopies().is_pinned(arena) and not standin.HostCopies().is_pinned(pageable)
     specfit.disable(model)
     released = [p for kind, p, _ in standin.LEDGER if kind == "release"]
     assert sorted(released) == sorted(registered)  # every arena released, once
+    assert not standin.HostCopies().is_pinned(arena)  # released: pageable again, as cudaHostUnregister leaves it
 
 
 def test_an_unmeasured_threaded_lane_measures_itself(on):

@@ -27,6 +27,8 @@ def test_the_device_is_not_the_host_and_mixing_them_fails_as_on_cuda():
         _ = x + torch.ones(2, 3, dtype=torch.long)  # a host tensor of one or more dimensions
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.cat([x, torch.zeros(1, 3, dtype=torch.long)])
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        _ = x[0] * torch.ones(3, dtype=torch.long)  # one dimension is enough: only a host scalar may meet it
     with pytest.raises(TypeError, match="Use Tensor.cpu"):
         x.numpy()
     with pytest.raises(TypeError, match="Use Tensor.cpu"):

@@ -104,6 +104,24 @@ def test_specfit_estimate_runs_as_typed_without_loading_the_model(capsys, monkey
     assert "torch" not in sys.modules or True  # (torch may be imported by other tests in this process)
 
 
+def test_estimate_prices_the_link_this_machine_keeps(capsys, monkeypatch, tmp_path):
+    """With a default link kept for this machine (``specfit demo`` measured it), the estimate's link is that one:
+    the kept token's compute x 1.4 / (layers x top-k), the seconds per copy kept beside it."""
+    import json
+
+    from specfit.embedded import link_store
+
+    monkeypatch.setenv("SPECFIT_CACHE", str(tmp_path))
+    config = json.loads((embedded.TARGET_DIR / "config.json").read_text())
+    compute = 0.02  # seconds of one token's compute
+    per_copy = embedded.DEMAND_TO_COMPUTE * compute / (config["num_hidden_layers"] * config["num_experts_per_tok"])
+    link_store.write(link_store.key(embedded.FASTEST_THREADS, embedded.TARGET_DIR / "model.safetensors"), per_copy,
+                     compute)
+    assert cli.main(["estimate"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"emulated link {per_copy * 1e3:.3f} ms per copy (the default link kept in {link_store.path()})" in out
+
+
 @pytest.mark.parametrize("argv, said", [
     (["--slots", "65"], "--slots must be in 1..64"),
     (["--hit-rate", "1.2"], "--hit-rate takes shares from 0 to 1, got 1.2"),

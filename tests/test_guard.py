@@ -100,6 +100,23 @@ def test_warmup_and_bad_arguments():
         Guard(budget=2)
 
 
+def test_a_seeded_guard_follows_its_own_clock_within_a_few_cycles():
+    """A guard seeded from one that learned over many cycles (plain decoding 3x as fast) takes at most a couple of
+    cycles' worth of that evidence: a few cycles of its own where plain decoding is slow make it choose another way
+    (a batch whose size changed is not the batch it was)."""
+    learned = Guard(warmup=1, trials=1)
+    for _ in range(60):
+        for arm, rate in (("specfit", 1.0), ("eagle3", 1.0), ("plain", 3.0)):
+            learned.record(arm, tokens=rate, seconds=1.0)
+    assert learned.best() == "plain"
+    seeded = Guard(warmup=1, trials=1).seeded(learned)
+    assert all(sums[0] <= 2.0 + 1e-9 for sums in seeded.sums.values())  # two cycles' worth at most, per way
+    assert seeded.best() == "plain" and seeded.rate("plain") == pytest.approx(3.0)
+    for _ in range(10):
+        seeded.record("plain", tokens=0.2, seconds=1.0)  # plain decoding is slow at this size
+    assert seeded.best() == "specfit" and seeded.rate("plain") < 1.0
+
+
 def slowed(monkeypatch, method: str, seconds: float):
     """Make one of SpecFitGenerator's ways slower by ``seconds`` per cycle."""
     from specfit.decoding import assistants

@@ -51,6 +51,18 @@ def test_probes_and_the_cost_model_time_a_per_byte_link_for_the_experts_bytes():
     assert profiles.link_seconds(model.specfit) == pytest.approx(want)
 
 
+def test_a_links_latency_is_paid_by_every_copy_as_the_cost_model_prices_it():
+    """latency + bytes / bandwidth: the per-copy latency counts in every copy's time, in what the probes and the cost
+    model price a copy at, and in the label."""
+    link = LinkConfig(bandwidth=1e8, latency=2e-5)
+    assert link.copy_time(EXPERT) == pytest.approx(2e-5 + EXPERT / 1e8) and link.copy_time(0) == pytest.approx(2e-5)
+    assert "20 us per copy" in link.label
+    model = specfit.enable(tiny_moe(), cache_slots=3, link=link)
+    want = 2e-5 + model.specfit.store.expert_bytes / 1e8
+    assert probes._link_seconds(model.specfit, link) == pytest.approx(want)
+    assert profiles.link_seconds(model.specfit) == pytest.approx(want)
+
+
 class FakeCuda:
     """torch.cuda as bandwidth.copy_seconds uses it: every copy moves its source's bytes at ``rate`` bytes/s, and an
     event pair times the bytes moved between its records."""

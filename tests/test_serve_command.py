@@ -50,6 +50,15 @@ def test_a_dense_model_folder_is_refused_before_torch_is_imported(tmp_path):
         assert not torch_imported
 
 
+def test_a_drafter_folder_without_weights_is_refused_before_torch_is_imported(tmp_path):
+    """As `specfit calibrate --drafter` refuses it: a folder with a config.json and no weights is no drafter, said
+    before the model loads (it was said only after the embedded model had loaded)."""
+    (tmp_path / "config.json").write_text("{}")
+    rc, err, torch_imported = refuse("--drafter", str(tmp_path))
+    assert rc == 2 and "holds no drafter weights" in err and "Traceback" not in err
+    assert not torch_imported
+
+
 def test_threads_default_to_one_for_the_embedded_model_and_every_core_otherwise():
     assert default_threads(True, 16) == 1 and default_threads(False, 16) == 16 and default_threads(False, 0) == 1
     helped = subprocess.run([sys.executable, "-m", "specfit.cli", "serve", "--help"], capture_output=True,

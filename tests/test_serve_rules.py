@@ -198,3 +198,5 @@ def test_the_ledger_counts_requests_own_tokens_and_keeps_the_last_1024():
         ledger.record(runtime, [(f"r{i}", None, 1, 1)])
     assert ledger.get("a") is None and ledger.get("r0") is not None and ledger.get(f"r{STATS_KEPT - 1}")
     assert ledger.summary()["calls"] == STATS_KEPT + 1
+    assert ledger.summary()["batched_calls"] == 1  # a call of one request is not a batch
+    assert ledger.get("r0")["batch"] == 1

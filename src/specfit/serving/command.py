@@ -68,7 +68,7 @@ def check_arguments(args) -> None:
         cli_checks.moe_config(config, args.model, "--model")
     if args.drafter is not None:
         if Path(args.drafter).expanduser().exists():
-            cli_checks.folder(args.drafter, "--drafter", must_hold="config.json")
+            cli_checks.drafter_source(args.drafter)  # config.json and weights, before the model loads
         elif not cli_checks.HUB_ID.match(args.drafter):
             raise ValueError(f"--drafter {args.drafter!r} is neither a local EAGLE-3 checkpoint folder (no such "
                              f"path) nor a hub id (owner/name)")
