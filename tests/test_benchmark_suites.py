@@ -216,3 +216,18 @@ def test_the_grid_runs_every_cell_once_in_order():
         (0.0, "copy"), (1.0, "host"), (1.0, "copy")}
     args.prompts = "my/prompts.txt"
     assert {c.workload for c in harness.cells(args)} == {"prompts.txt"}
+
+
+def test_a_model_of_yours_on_a_cpu_says_what_it_emulates(tmp_path, capsys):
+    """``--model FOLDER --drafter FOLDER --link-ms N`` (the shipped model's folders stand in for yours): loaded
+    through specfit.from_pretrained, its own tokenizer, the link emulated at N ms per copy, and the table says so."""
+    embedded = ROOT / "src" / "specfit" / "embedded"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("What is 12 times 7?\nName a prime.\n")
+    report, printed = suite(["speed", "--model", str(embedded / "target"), "--drafter", str(embedded / "drafter"),
+                             "--link-ms", "0.1", "--prompts", str(prompts), "--batches", "2", "--tokens", "3",
+                             "--methods", "ar", "specfit"], tmp_path / "out", capsys)
+    assert printed.splitlines()[0] == (f"CPU, {embedded / 'target'}, emulated link, 0.1 ms per expert copy: "
+                                       f"not GPU speed")
+    (c,) = report["cells"]
+    assert c["model"] == str(embedded / "target") and c["groups"] == 1 and min(c["tok_s"].values()) > 0
