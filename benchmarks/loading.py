@@ -71,7 +71,7 @@ def ensure_checkpoint(folder: Path, preset: str, shard_size: str, layers: int | 
         print(f"reusing {folder}")
         return
     s = synthetic_checkpoint.write_checkpoint(folder, preset, layers, shard_size)
-    stamp.write_text(json.dumps(want) + "\n")
+    write_results(folder, want, stamp.name)  # the settings it was written with, read back above
     print(f"wrote {folder}: {s['shards']} shards, {s['file_bytes'] / 1e9:.2f} GB in {s['seconds']:.1f} s", flush=True)
 
 

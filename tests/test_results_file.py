@@ -19,7 +19,7 @@ def test_results_are_written_where_said(tmp_path):
     assert text.endswith("}\n") and json.loads(text) == {"dtype": "torch.bfloat16", "rows": [1, 2]}
 
 
-@pytest.mark.parametrize("script", ["run", "cache_policies", "serve_load", "quality", "calibrating", "rules", "loading"])
+@pytest.mark.parametrize("script", ["run", "cache_policies", "serve_load", "quality", "calibrating", "loading"])
 def test_the_benchmarks_use_it(script):
     text = (BENCHMARKS / f"{script}.py").read_text()
     assert "write_results(" in text, script
