@@ -32,6 +32,7 @@ from specfit.evaluation.results_file import write_results
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import synthetic_checkpoint  # noqa: E402
+from run import run_part  # noqa: E402  (this folder's entry: one way to run a part)
 
 CHILD = textwrap.dedent("""
     import json, sys, time, torch
@@ -251,10 +252,4 @@ def main(argv=None) -> int:
     o.add_argument("--threads", type=int, default=1)
     o.add_argument("--dir", action="append", default=[], metavar="MODEL=FOLDER", help="checkpoint folder of a model")
     o.add_argument("--json", default=None, help="write the results here")
-    args = parser.parse_args(argv)
-    run, check = PARTS[args.part]
-    try:
-        check(args)
-    except ValueError as err:
-        parts.choices[args.part].error(str(err))
-    return run(args)
+    return run_part(parser, parts, PARTS, argv)

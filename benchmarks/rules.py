@@ -36,6 +36,8 @@ from specfit.selection.batch_rule import gap_to_exact
 from specfit.selection.cost_model import CostModel
 from specfit.selection.selector import select_subtree
 
+from run import run_part  # this folder's entry: one way to run a part
+
 LAYERS, EXPERTS, TOP_K = 48, 128, 8  # the selector's pools: Qwen3-30B-A3B's routes
 SLOT_EXPERTS, SLOT_TOP_K = 64, 4  # the slot plan's traces: the embedded model's layers
 PROMPT_EVERY = 64  # forwards per prompt in a slot-plan trace
@@ -251,10 +253,4 @@ def main(argv=None) -> int:
     g.add_argument("--prompts", type=int, default=4, help="rows of the batch (held-out GSM8K questions)")
     g.add_argument("--tokens", type=int, default=16)
     g.add_argument("--cap", type=int, default=2, help="node budget per row for the all-rows exact search")
-    args = parser.parse_args(argv)
-    run, check = PARTS[args.part]
-    try:
-        check(args)
-    except ValueError as err:
-        parts.choices[args.part].error(str(err))
-    return run(args)
+    return run_part(parser, parts, PARTS, argv)

@@ -166,6 +166,18 @@ def syncs(argv: list[str]) -> int:
     return 0
 
 
+def run_part(parser: argparse.ArgumentParser, parts, table: dict, argv) -> int:
+    """An instrument's part: parse ``argv``, refuse bad values (the part's ``check`` raises ValueError) in the part's
+    own usage before anything loads, then run it; ``table``: part -> (run, check), ``parts``: the subparsers."""
+    args = parser.parse_args(argv)
+    run, check = table[args.part]
+    try:
+        check(args)
+    except ValueError as err:
+        parts.choices[args.part].error(str(err))
+    return run(args)
+
+
 def usage() -> str:
     timed = "\n".join(f"  {name:<12}{what}" for name, (what, _) in GRIDS.items())
     other = "\n".join(f"  {name:<12}{what}" for name, (_, what) in SUITES.items())

@@ -178,3 +178,16 @@ class SelfDrafter(torch.nn.Module):
         T = input_ids.shape[1]
         cache.append(torch.zeros(1, 1, T, 1, device=device), torch.zeros(1, 1, T, 1, device=device))
         return logits, torch.zeros(1, T, self.config.hidden_size, device=device)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Each command's main fails the test: the refusal must come from its checks."""
+    from importlib import import_module
+
+    from specfit import cli
+
+    for module, _, _ in cli.SUBCOMMANDS.values():
+        def work(args, module=module):
+            raise AssertionError(f"{module}.main ran: the refusal came after the work")
+        monkeypatch.setattr(import_module(module), "main", work)
